@@ -1,0 +1,264 @@
+"""Storage interface and its local-directory implementation.
+
+Everything above this module sees relative, '/'-separated paths and CheckpointError
+subclasses; OSError never crosses this boundary. A local disk and a shared POSIX mount
+(NFS) both use LocalStorage; an object store can implement the same Protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno as errno_mod
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO, Protocol, runtime_checkable
+
+import structlog
+
+from . import _hooks, layout
+from .errors import (
+    StorageError,
+    StorageFullError,
+    StorageNotFoundError,
+    StoragePermissionError,
+)
+
+log = structlog.get_logger(__name__)
+
+_FULL = {errno_mod.ENOSPC, errno_mod.EDQUOT}
+_DENIED = {errno_mod.EACCES, errno_mod.EPERM, errno_mod.EROFS, errno_mod.ENOTDIR}
+# Some filesystems cannot fsync a directory; their rename is then as durable as it gets.
+_DIR_FSYNC_UNSUPPORTED = {errno_mod.EINVAL, errno_mod.ENOTSUP, errno_mod.EBADF}
+
+
+def translate_os_error(exc: OSError, action: str, path: str) -> StorageError:
+    """The StorageError subclass for `exc`, with a message that says what to do."""
+    reason = exc.strerror or str(exc)
+    if exc.errno in _FULL:
+        return StorageFullError(
+            f"{action} {path}: {reason}; free space on the checkpoint storage (a save needs "
+            "room for one more checkpoint than keep_last); committed checkpoints are intact",
+            path=path, errno=exc.errno,
+        )
+    if exc.errno in _DENIED:
+        return StoragePermissionError(
+            f"{action} {path}: {reason}; make the checkpoint directory a writable directory "
+            "or choose another one",
+            path=path, errno=exc.errno,
+        )
+    if exc.errno == errno_mod.ENOENT:
+        return StorageNotFoundError(f"{action} {path}: {reason}", path=path, errno=exc.errno)
+    return StorageError(f"{action} {path}: {reason}", path=path, errno=exc.errno)
+
+
+@contextlib.contextmanager
+def _translated(action: str, path: str) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        raise translate_os_error(exc, action, path) from exc
+
+
+class AtomicWrite(Protocol):
+    """A file being written under a temporary name; invisible under its final name until commit."""
+
+    def write(self, data: bytes | memoryview) -> int:
+        """Append `data`; returns len(data)."""
+        ...
+
+    def commit(self) -> None:
+        """Make the content durable, then atomically publish it under the final name."""
+        ...
+
+    def abort(self) -> None:
+        """Discard the temporary file; a no-op after commit or a previous abort."""
+        ...
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """Where checkpoints live. Paths are relative to the storage root, '/'-separated.
+
+    Contract:
+    - `open_write(path)` returns an AtomicWrite. Until `commit()` returns, `path` shows its
+      previous content (or does not exist); after it returns, `path` has the new content
+      durably (file data and the name both survive a power cut). Temporary objects it
+      creates are named with `layout.TEMP_PREFIX` in the same directory, so cleanup can find
+      them. Leaving the writer without commit (an exception) discards it.
+    - `remove` and `remove_dir` are idempotent: a missing object is not an error.
+      `remove_dir` removes an empty directory only.
+    - `make_dir` is idempotent and durable (the new name survives a crash).
+    - `listdir` of a missing directory is empty.
+    - Every failure is a StorageError subclass: StorageFullError for no space,
+      StoragePermissionError for refused writes, StorageNotFoundError for missing objects.
+    - Single writer: one process writes a given root at a time. Readers may run at any time.
+    """
+
+    def describe(self, path: str = "") -> str:
+        """A human-readable location of `path` (for logs and error messages)."""
+        ...
+
+    def check_writable(self) -> None:
+        """Create the root if needed and prove a write works, or raise StorageError."""
+        ...
+
+    def listdir(self, path: str = "") -> list[str]: ...
+
+    def is_dir(self, path: str) -> bool: ...
+
+    def make_dir(self, path: str) -> None: ...
+
+    def open_write(self, path: str) -> AtomicWrite: ...
+
+    def open_read(self, path: str) -> BinaryIO: ...
+
+    def size(self, path: str) -> int: ...
+
+    def mtime(self, path: str) -> float: ...
+
+    def remove(self, path: str) -> None: ...
+
+    def remove_dir(self, path: str) -> None: ...
+
+    def sync_dir(self, path: str = "") -> None:
+        """Make the names in directory `path` durable (after removals)."""
+        ...
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in _DIR_FSYNC_UNSUPPORTED:
+            raise
+    finally:
+        os.close(fd)
+
+
+class _LocalAtomicWrite:
+    """Temp file in the target's directory -> write -> fsync -> rename -> fsync directory."""
+
+    def __init__(self, final: Path, label: str) -> None:
+        self._final = final
+        self._label = label
+        self._temp = final.parent / layout.temp_name()
+        with _translated("create", self._label):
+            self._file = open(self._temp, "xb", buffering=0)  # noqa: SIM115 - closed in commit/abort
+        self._done = False
+        _hooks.phase("write.opened", label)
+
+    def write(self, data: bytes | memoryview) -> int:
+        with _translated("write", self._label):
+            view = memoryview(data)
+            while view:  # unbuffered writes may be short
+                written = self._file.write(view)
+                view = view[written:]
+        _hooks.phase("write.data", self._label)
+        return len(data)
+
+    def commit(self) -> None:
+        if self._done:
+            return
+        try:
+            with _translated("commit", self._label):
+                os.fsync(self._file.fileno())
+                self._file.close()
+                _hooks.phase("write.fsynced", self._label)
+                os.replace(self._temp, self._final)
+                self._done = True
+                _hooks.phase("write.renamed", self._label)
+                _fsync_dir(self._final.parent)
+        finally:
+            if not self._done:
+                self.abort()
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._file.close()
+        try:
+            self._temp.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("temp_file_not_removed", path=str(self._temp), error=str(exc))
+
+    def __enter__(self) -> _LocalAtomicWrite:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.abort()
+
+
+class LocalStorage:
+    """A directory on a local disk or a POSIX shared mount (NFS: rename and fsync are atomic
+    and durable there when the mount is `sync` or the client honours fsync, as NFSv3/v4 do)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    def _p(self, path: str) -> Path:
+        return self.root / path if path else self.root
+
+    def describe(self, path: str = "") -> str:
+        return str(self._p(path))
+
+    def check_writable(self) -> None:
+        where = self.describe()
+        with _translated("create checkpoint directory", where):
+            if self.root.exists() and not self.root.is_dir():
+                raise NotADirectoryError(errno_mod.ENOTDIR, "exists and is not a directory")
+            self.root.mkdir(parents=True, exist_ok=True)
+        probe = self.root / (layout.temp_name() + ".probe")
+        with _translated("write a probe file in", where):
+            probe.write_bytes(b"")
+            probe.unlink()
+
+    def listdir(self, path: str = "") -> list[str]:
+        try:
+            with _translated("list", self.describe(path)):
+                return sorted(os.listdir(self._p(path)))
+        except StorageNotFoundError:
+            return []
+
+    def is_dir(self, path: str) -> bool:
+        return self._p(path).is_dir()
+
+    def make_dir(self, path: str) -> None:
+        target = self._p(path)
+        with _translated("create directory", str(target)):
+            if target.is_dir():
+                return
+            target.mkdir(exist_ok=True)
+            _fsync_dir(target.parent)
+
+    def open_write(self, path: str) -> _LocalAtomicWrite:
+        return _LocalAtomicWrite(self._p(path), self.describe(path))
+
+    def open_read(self, path: str) -> BinaryIO:
+        with _translated("open", self.describe(path)):
+            return open(self._p(path), "rb")  # noqa: SIM115 - the caller closes it
+
+    def size(self, path: str) -> int:
+        with _translated("stat", self.describe(path)):
+            return self._p(path).stat().st_size
+
+    def mtime(self, path: str) -> float:
+        with _translated("stat", self.describe(path)):
+            return self._p(path).stat().st_mtime
+
+    def remove(self, path: str) -> None:
+        with _translated("remove", self.describe(path)):
+            self._p(path).unlink(missing_ok=True)
+
+    def remove_dir(self, path: str) -> None:
+        with _translated("remove directory", self.describe(path)):
+            try:
+                self._p(path).rmdir()
+            except FileNotFoundError:
+                pass
+
+    def sync_dir(self, path: str = "") -> None:
+        with _translated("sync directory", self.describe(path)):
+            _fsync_dir(self._p(path))

@@ -1,0 +1,359 @@
+"""The one adapter between elasticd and the etcd v3 client library.
+
+Everything elasticd does with etcd goes through ``EtcdClient``; it is the only
+module that imports ``etcd3`` or ``grpc``, and the only place their exceptions
+are translated (to ``EtcdUnavailable``, ``EtcdAuthError``, ``EtcdError``).
+Swapping the client library means rewriting this file alone.
+
+Retries: transient unavailability (no endpoint answers, a deadline passes) is
+retried with exponential backoff and jitter for at most ``retry_s`` seconds,
+then raised. A compare-and-set whose response was lost may be retried and then
+report a lost race although it won; callers re-read state after a lost race,
+which is what torch's rendezvous and our store do.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import etcd3
+import etcd3.exceptions as etcd_exc
+import grpc
+import structlog
+import tenacity
+from etcd3 import utils as etcd_utils
+
+from elasticd.errors import ConfigError, EtcdAuthError, EtcdError, EtcdUnavailable
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_PORT = 2379
+# A failed endpoint is skipped for this long before it is tried again. The client
+# library's default (300 s) would turn a 2-second etcd restart into a 5-minute outage.
+_ENDPOINT_RETRY_S = 0.5
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """``host[:port]`` or ``http(s)://host[:port]`` -> (host, port); a clear error otherwise."""
+    raw = text.strip()
+    for scheme in ("http://", "https://"):
+        if raw.startswith(scheme):
+            raw = raw[len(scheme):]
+    raw = raw.rstrip("/")
+    if not raw:
+        raise ConfigError(f"etcd endpoint {text!r} is empty; write it as HOST:PORT, e.g. 127.0.0.1:2379")
+    host, sep, port_text = raw.rpartition(":")
+    if not sep:
+        return raw, DEFAULT_PORT
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ConfigError(
+            f"etcd endpoint {text!r} has a bad port {port_text!r}; write it as HOST:PORT, "
+            "e.g. 127.0.0.1:2379"
+        )
+    return host.strip("[]"), int(port_text)
+
+
+@dataclass(frozen=True)
+class EtcdSettings:
+    """How to reach etcd. Validated on construction; errors name the field and the fix."""
+
+    endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    timeout_s: float = 5.0
+    retry_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.endpoints:
+            raise ConfigError("etcd endpoints is empty; give at least one HOST:PORT")
+        for endpoint in self.endpoints:
+            parse_endpoint(endpoint)
+        if (self.cert is None) != (self.key is None):
+            raise ConfigError("etcd TLS: set both cert and key (client certificate and its key), or neither")
+        if self.cert is not None and self.ca_cert is None:
+            raise ConfigError("etcd TLS: a client cert needs ca_cert (the CA that signed the server)")
+        for name in ("ca_cert", "cert", "key"):
+            _check_readable(name, getattr(self, name))
+        if (self.user is None) != (self.password is None):
+            raise ConfigError("etcd auth: set both user and password, or neither")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"etcd timeout_s={self.timeout_s} must be > 0 seconds")
+        if self.retry_s < 0:
+            raise ConfigError(f"etcd retry_s={self.retry_s} must be >= 0 seconds")
+
+    @property
+    def secure(self) -> bool:
+        return self.ca_cert is not None
+
+    def describe(self) -> str:
+        return ", ".join(self.endpoints)
+
+
+def _check_readable(name: str, path: str | None) -> None:
+    if path is None:
+        return
+    if not os.path.isfile(path):
+        raise ConfigError(f"etcd TLS {name}={path!r}: no such file; give the path of a PEM file")
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"etcd TLS {name}={path!r} is not readable by this user; fix its permissions")
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One etcd key as read: its value and the revisions that fence writes to it."""
+
+    key: str
+    value: bytes
+    mod_revision: int
+    create_revision: int
+    lease_id: int
+
+
+class EtcdClient:
+    """A small, typed, exception-translating view of an etcd v3 cluster."""
+
+    def __init__(self, settings: EtcdSettings) -> None:
+        self.settings = settings
+        self._lock = threading.Lock()
+        self._client = self._with_retry(self._connect)
+
+    # -- connection and error translation -------------------------------------------
+
+    def _connect(self) -> Any:
+        creds = _tls_credentials(self.settings)
+        endpoints = [
+            etcd3.Endpoint(*parse_endpoint(e), secure=self.settings.secure, creds=creds,
+                           time_retry=_ENDPOINT_RETRY_S)
+            for e in self.settings.endpoints
+        ]
+        with self._translated():
+            return etcd3.MultiEndpointEtcd3Client(
+                endpoints=endpoints, timeout=self.settings.timeout_s,
+                user=self.settings.user, password=self.settings.password, failover=True,
+            )
+
+    @contextmanager
+    def _translated(self) -> Iterator[None]:
+        try:
+            yield
+        except (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError,
+                etcd_exc.NoServerAvailableError) as exc:
+            raise EtcdUnavailable(self._unavailable_message(exc)) from exc
+        except etcd_exc.Etcd3Exception as exc:
+            raise EtcdError(f"etcd error: {type(exc).__name__}: {exc}") from exc
+        except grpc.RpcError as exc:
+            raise self._translate_rpc(exc) from exc
+        except ValueError as exc:
+            # The client raises ValueError when every endpoint is marked failed.
+            if "failed" in str(exc).lower() or "endpoint" in str(exc).lower():
+                raise EtcdUnavailable(self._unavailable_message(exc)) from exc
+            raise
+
+    def _unavailable_message(self, exc: BaseException) -> str:
+        detail = str(exc) or type(exc).__name__
+        return f"no etcd endpoint answered (tried {self.settings.describe()}): {detail}"
+
+    def _translate_rpc(self, exc: grpc.RpcError) -> EtcdError:
+        code = exc.code() if hasattr(exc, "code") else None
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            return EtcdAuthError(
+                f"etcd rejected the credentials ({details}); check user/password and the "
+                f"role's permissions on this prefix (endpoints {self.settings.describe()})"
+            )
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return EtcdUnavailable(self._unavailable_message(exc))
+        if code == grpc.StatusCode.INVALID_ARGUMENT and "token" in (details or ""):
+            return EtcdAuthError(f"etcd auth token rejected ({details})")
+        return EtcdError(f"etcd error {code}: {details}")
+
+    def _with_retry(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn``, retrying transient unavailability for at most ``retry_s`` seconds."""
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(EtcdUnavailable),
+            wait=tenacity.wait_exponential_jitter(initial=0.05, max=1.0, jitter=0.1),
+            stop=tenacity.stop_after_delay(self.settings.retry_s),
+            reraise=True,
+        )
+        return retrying(fn)
+
+    def _call(self, op: Callable[[Any], Any]) -> Any:
+        def attempt() -> Any:
+            try:
+                with self._translated():
+                    return op(self._client)
+            except EtcdAuthError:
+                # An etcd restart invalidates simple auth tokens: authenticate again once.
+                if self.settings.user is None:
+                    raise
+                self._reconnect()
+                with self._translated():
+                    return op(self._client)
+        return self._with_retry(attempt)
+
+    def _reconnect(self) -> None:
+        with self._lock:
+            old, self._client = self._client, self._connect()
+        old.close()
+
+    def close(self) -> None:
+        self._client.close()
+
+    # -- key/value ---------------------------------------------------------------------
+
+    def get(self, key: str) -> KeyValue | None:
+        value, meta = self._call(lambda c: c.get(key))
+        return None if value is None else _kv(value, meta)
+
+    def get_prefix(self, prefix: str) -> list[KeyValue]:
+        return [_kv(v, m) for v, m in self._call(lambda c: list(c.get_prefix(prefix)))]
+
+    def get_many(self, keys: list[str]) -> tuple[dict[str, KeyValue], int]:
+        """The given keys (absent ones omitted) read atomically, and the revision read at."""
+        def op(c: Any) -> tuple[dict[str, KeyValue], int]:
+            response = c.kvstub.Txn(
+                etcd3.etcdrpc.TxnRequest(success=[
+                    etcd3.etcdrpc.RequestOp(request_range=c._build_get_range_request(k))
+                    for k in keys
+                ]),
+                c.timeout, credentials=c.call_credentials, metadata=c.metadata,
+            )
+            found = {}
+            for item in response.responses:
+                for kv in item.response_range.kvs:
+                    found[kv.key.decode()] = KeyValue(kv.key.decode(), kv.value, kv.mod_revision,
+                                                      kv.create_revision, kv.lease)
+            return found, response.header.revision
+        return self._call(op)
+
+    def revision(self) -> int:
+        """The cluster's current revision."""
+        return int(self._call(lambda c: c.get_response("\0").header.revision))
+
+    def put(self, key: str, value: bytes, lease: int | None = None) -> None:
+        self._call(lambda c: c.put(key, value, lease=lease))
+
+    def create(self, key: str, value: bytes, lease: int | None = None) -> bool:
+        """Put ``key`` only if it does not exist; True if this call created it."""
+        return self.put_or_create(key, value, None, lease)[0]
+
+    def put_or_create(self, key: str, value: bytes, expected: int | None,
+                      lease: int | None = None) -> tuple[bool, KeyValue | None]:
+        """Compare-and-set fenced on the key's mod_revision.
+
+        ``expected=None`` means "only if absent". Returns ``(True, written)`` with
+        the new revisions when this call wrote, else ``(False, current)`` where
+        ``current`` is the value that won (None if the key does not exist).
+        """
+        compare = [_tx().create(key) == 0] if expected is None else [_tx().mod(key) == expected]
+        ok, responses = self._txn(compare, [_tx_put(key, value, lease)], [_tx().get(key)])
+        if ok:
+            revision = responses[0].response_put.header.revision
+            create = revision if expected is None else 0
+            return True, KeyValue(key, value, revision, create, lease or 0)
+        current = responses[0] if responses else []
+        return False, (_kv(*current[0]) if current else None)
+
+    def delete(self, key: str) -> bool:
+        return bool(self._call(lambda c: c.delete(key)))
+
+    def delete_if_revision(self, key: str, mod_revision: int) -> bool:
+        ok, _ = self._txn([_tx().mod(key) == mod_revision], [_tx().delete(key)], [])
+        return ok
+
+    def delete_prefix(self, prefix: str) -> int:
+        response = self._call(lambda c: c.delete_prefix(prefix))
+        return int(response.deleted)
+
+    def _txn(self, compare: list, success: list, failure: list) -> tuple[bool, list]:
+        return self._call(lambda c: c.transaction(compare=compare, success=success, failure=failure))
+
+    # -- leases --------------------------------------------------------------------------
+
+    def grant_lease(self, ttl_s: int) -> int:
+        return int(self._call(lambda c: c.lease(int(ttl_s))).id)
+
+    def refresh_lease(self, lease_id: int) -> int:
+        """Keep the lease alive; returns its remaining TTL, 0 if it no longer exists."""
+        responses = self._call(lambda c: list(c.refresh_lease(lease_id)))
+        return max((int(r.TTL) for r in responses), default=0)
+
+    def revoke_lease(self, lease_id: int) -> None:
+        try:
+            self._call(lambda c: c.revoke_lease(lease_id))
+        except EtcdError as exc:
+            if "not found" not in str(exc):
+                raise
+
+    # -- watches -------------------------------------------------------------------------
+
+    def wait_for_change(self, prefix: str, after_revision: int, timeout_s: float) -> bool:
+        """Block until a key under ``prefix`` changes after ``after_revision`` or timeout.
+
+        Returns True if a change was seen. A broken watch stream returns False
+        early; callers re-read state, so that only costs one poll.
+        """
+        events: queue.Queue = queue.Queue()
+        range_end = etcd_utils.prefix_range_end(etcd_utils.to_bytes(prefix))
+        watch_id = self._call(lambda c: c.add_watch_callback(
+            prefix, events.put, range_end=range_end, start_revision=after_revision + 1))
+        try:
+            item = events.get(timeout=max(timeout_s, 0.0))
+        except queue.Empty:
+            return False
+        finally:
+            self._cancel_watch(watch_id)
+        return not isinstance(item, Exception)
+
+    def watch_prefix(self, prefix: str, callback: Callable[[Any], None],
+                     start_revision: int | None = None) -> Callable[[], None]:
+        """Call ``callback`` with each watch response (or exception) under ``prefix``.
+
+        Returns a function that cancels the watch. The callback runs on the
+        client's watch thread: keep it short (put on a queue).
+        """
+        range_end = etcd_utils.prefix_range_end(etcd_utils.to_bytes(prefix))
+        kwargs: dict[str, Any] = {"range_end": range_end}
+        if start_revision is not None:
+            kwargs["start_revision"] = start_revision
+        watch_id = self._call(lambda c: c.add_watch_callback(prefix, callback, **kwargs))
+        return lambda: self._cancel_watch(watch_id)
+
+    def _cancel_watch(self, watch_id: Any) -> None:
+        try:
+            with self._translated():
+                self._client.cancel_watch(watch_id)
+        except EtcdError:
+            pass  # the stream is gone already: nothing is left to cancel
+
+
+def _tx() -> Any:
+    return etcd3.Transactions()
+
+
+def _tx_put(key: str, value: bytes, lease: int | None) -> Any:
+    return _tx().put(key, value, lease=lease)
+
+
+def _kv(value: bytes, meta: Any) -> KeyValue:
+    return KeyValue(meta.key.decode(), value, meta.mod_revision, meta.create_revision,
+                    meta.lease_id)
+
+
+def _tls_credentials(settings: EtcdSettings) -> grpc.ChannelCredentials | None:
+    if not settings.secure:
+        return None
+    try:
+        return etcd3.MultiEndpointEtcd3Client.get_secure_creds(
+            settings.ca_cert, settings.key, settings.cert)
+    except OSError as exc:
+        raise ConfigError(f"etcd TLS files could not be read: {exc}") from exc

