@@ -1,0 +1,36 @@
+"""Atomic, verified, asynchronous rank-0 checkpoints (see docs/checkpointing.md)."""
+
+from .errors import (
+    CheckpointConfigError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StorageError,
+    StorageFullError,
+    StorageNotFoundError,
+    StoragePermissionError,
+    UnsupportedStateError,
+)
+from .manager import CheckpointManager
+from .manifest import FileEntry, Manifest
+from .reader import LoadedCheckpoint
+from .storage import AtomicWrite, LocalStorage, Storage
+
+__all__ = [
+    "AtomicWrite",
+    "CheckpointConfigError",
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "FileEntry",
+    "LoadedCheckpoint",
+    "LocalStorage",
+    "Manifest",
+    "Storage",
+    "StorageError",
+    "StorageFullError",
+    "StorageNotFoundError",
+    "StoragePermissionError",
+    "UnsupportedStateError",
+]

@@ -253,11 +253,10 @@ class LocalStorage:
             self._p(path).unlink(missing_ok=True)
 
     def remove_dir(self, path: str) -> None:
-        with _translated("remove directory", self.describe(path)):
-            try:
-                self._p(path).rmdir()
-            except FileNotFoundError:
-                pass
+        with _translated("remove directory", self.describe(path)), contextlib.suppress(
+            FileNotFoundError
+        ):
+            self._p(path).rmdir()
 
     def sync_dir(self, path: str = "") -> None:
         with _translated("sync directory", self.describe(path)):

@@ -1,0 +1,245 @@
+"""CheckpointManager: the public entry point (rank 0 saves; every rank may load).
+
+Threading model: save/wait/load are called from one thread (the training loop). One
+background job at a time runs the write of an asynchronous save, then retention; a
+blocking save writes in the caller's thread and runs only retention in the background.
+A new save, wait() and close() first join the previous job and raise its error, if any.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import structlog
+import torch
+
+from . import layout
+from .errors import CheckpointConfigError, CheckpointNotFoundError, CorruptCheckpointError
+from .manifest import validate_metadata
+from .reader import LoadedCheckpoint, load_verified, read_manifest, step_dirs_newest_first
+from .retention import Cleaner, StalePolicy
+from .snapshot import Snapshotter, host_view
+from .storage import LocalStorage, Storage
+from .writer import write_checkpoint
+
+log = structlog.get_logger(__name__)
+
+
+def _default_world_size() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class _Job:
+    """One background task; remembers its exception for the training thread to raise."""
+
+    def __init__(self, name: str, work: Callable[[], None]) -> None:
+        self.error: BaseException | None = None
+        self._work = work
+        # Not a daemon: interpreter exit waits for an in-flight write instead of dropping it.
+        self._thread = threading.Thread(target=self._run, name=name, daemon=False)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._work()
+        except BaseException as exc:  # handed to the training thread by join()
+            self.error = exc
+
+    def join(self) -> BaseException | None:
+        self._thread.join()
+        return self.error
+
+
+class CheckpointManager:
+    """Atomic, verified, optionally asynchronous checkpoints in one directory.
+
+    Single writer: one manager in one process (rank 0) saves into a directory at a time;
+    any number of processes may load from it.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        keep_last: int = 3,
+        *,
+        storage: Storage | None = None,
+        world_size: int | None = None,
+        pin_memory: bool | None = None,
+        stale_temp_seconds: float = 3600.0,
+    ) -> None:
+        """Open (creating if needed) `directory` and remove leftovers of crashed writers.
+
+        keep_last: committed checkpoints to keep (>= 2). world_size: recorded in manifests
+        (default: torch.distributed's, else $WORLD_SIZE, else 1). pin_memory: pinned
+        snapshot buffers (default: when CUDA is available). stale_temp_seconds: age after
+        which an unmodified temp file of a live or remote writer counts as abandoned.
+        `storage` replaces the local directory (then `directory` is only a label).
+        Raises CheckpointConfigError for bad values, StorageError if not writable.
+        """
+        _check_config(keep_last, stale_temp_seconds)
+        self.keep_last = keep_last
+        self.directory = os.fspath(directory)
+        self.storage: Storage = storage if storage is not None else LocalStorage(directory)
+        self._world_size = world_size
+        self._snapshotter = Snapshotter(pin_memory)
+        self._job: _Job | None = None
+        self._lock = threading.Lock()
+        self.storage.check_writable()
+        policy = StalePolicy(max_age=stale_temp_seconds, me=layout.Owner.current())
+        self._cleaner = Cleaner(self.storage, policy)
+        self._cleaner.remove_leftovers()
+
+    # -- saving -----------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        blocking: bool = True,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Save `state` as checkpoint `step`.
+
+        blocking=True returns once the checkpoint is committed (durable and verified-able).
+        blocking=False returns once the state is copied to host memory; the write runs in
+        the background. At most one write is in flight: a save first waits for the previous
+        one. An error of a background write is raised by the next save() or wait() (this
+        save is then not taken: call it again). `metadata` (JSON values) goes into the
+        manifest. Saving a step that exists replaces it atomically.
+        """
+        _check_step(step)
+        meta = validate_metadata(metadata)
+        with self._lock:
+            self._finish_job(raise_error=True)
+            world_size = self._world_size or _default_world_size()
+            if blocking:
+                self._write(step, host_view(state), world_size, meta)
+                self._start_job(f"checkpoint-retention-{step}", lambda: self._retain(step))
+                return
+            tree = self._snapshotter.snapshot(state)
+            self._start_job(f"checkpoint-write-{step}", lambda: self._write_and_retain(
+                step, tree, world_size, meta))
+
+    def wait(self) -> None:
+        """Block until the in-flight save is committed; raise its error if it failed."""
+        with self._lock:
+            self._finish_job(raise_error=True)
+
+    def close(self) -> None:
+        """wait(), then release the snapshot buffers."""
+        self.wait()
+        self._snapshotter.release()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _write(self, step: int, tree: Any, world_size: int, meta: dict[str, Any]) -> None:
+        started = time.monotonic()
+        manifest = write_checkpoint(
+            self.storage, step, tree, world_size=world_size, metadata=meta
+        )
+        log.info(
+            "checkpoint_committed", step=step, path=self.storage.describe(layout.step_dir(step)),
+            bytes=sum(e.bytes for e in manifest.files.values()),
+            seconds=round(time.monotonic() - started, 3),
+        )
+
+    def _write_and_retain(self, step: int, tree: Any, world_size: int, meta: dict) -> None:
+        self._write(step, tree, world_size, meta)
+        self._retain(step)
+
+    def _retain(self, step: int) -> None:
+        self._cleaner.run(self.keep_last, protect=(step,))
+
+    def _start_job(self, name: str, work: Callable[[], None]) -> None:
+        self._job = _Job(name, work)
+
+    def _finish_job(self, *, raise_error: bool) -> None:
+        job = self._job
+        if job is None:
+            return
+        error = job.join()
+        if error is not None and not raise_error:
+            return  # stays pending for the next save() or wait()
+        self._job = None
+        if error is not None:
+            error.add_note("(raised by the background save of an earlier call)")
+            raise error
+
+    # -- loading ----------------------------------------------------------------------
+
+    def load_latest(self, map_location: Any = "cpu") -> LoadedCheckpoint | None:
+        """The newest checkpoint that verifies, or None if there is none.
+
+        A damaged, truncated or uncommitted newer checkpoint is skipped with a warning that
+        names the file and the reason. Waits for an in-flight save first.
+        """
+        self._join_quietly()
+        for step, directory in step_dirs_newest_first(self.storage):
+            try:
+                return load_verified(self.storage, directory, step, map_location)
+            except CorruptCheckpointError as exc:
+                log.warning("checkpoint_skipped", step=step, path=exc.path, reason=exc.reason)
+        return None
+
+    def load(self, step: int, map_location: Any = "cpu") -> LoadedCheckpoint:
+        """Checkpoint `step`, verified; CheckpointNotFoundError or CorruptCheckpointError."""
+        _check_step(step)
+        self._join_quietly()
+        directory = layout.step_dir(step)
+        if not self.storage.is_dir(directory):
+            raise CheckpointNotFoundError(f"no checkpoint of step {step} in {self.directory}")
+        return load_verified(self.storage, directory, step, map_location)
+
+    def latest_step(self) -> int | None:
+        """Step of the newest committed checkpoint (manifest valid, file sizes right),
+        without loading or hashing tensors; load_latest() may still fall back past it if
+        its content turns out damaged."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def steps(self) -> list[int]:
+        """Steps of all committed checkpoints (cheap check, as latest_step), oldest first."""
+        self._join_quietly()
+        found = []
+        for step, directory in step_dirs_newest_first(self.storage):
+            try:
+                read_manifest(self.storage, directory, step)
+            except CorruptCheckpointError:
+                continue
+            found.append(step)
+        return sorted(found)
+
+    def _join_quietly(self) -> None:
+        with self._lock:
+            self._finish_job(raise_error=False)
+
+
+def _check_config(keep_last: int, stale_temp_seconds: float) -> None:
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 2:
+        raise CheckpointConfigError(
+            f"keep_last={keep_last!r}: keep_last must be >= 2 so a crash during a save always "
+            "leaves a valid older checkpoint; set keep_last=2 or more"
+        )
+    if not stale_temp_seconds > 0:
+        raise CheckpointConfigError(
+            f"stale_temp_seconds={stale_temp_seconds!r} must be > 0; it should exceed the time "
+            "one save takes (the default is 3600)"
+        )
+
+
+def _check_step(step: int) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointConfigError(
+            f"step={step!r}: the step must be an int >= 0 (the training step or sample count)"
+        )

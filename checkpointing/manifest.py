@@ -1,0 +1,144 @@
+"""The manifest: a checkpoint's commit marker and the checksums that verify it.
+
+A JSON object, written last and atomically into the step directory:
+
+    {"format": "elasticd-checkpoint", "format_version": 1, "step": 123,
+     "wall_time": 1700000000.5, "world_size": 4,
+     "files": {"state-...pt": {"bytes": 1234, "sha256": "..."}},
+     "metadata": {...user JSON...},
+     "manifest_sha256": "<sha256 of the canonical JSON of every other field>"}
+
+The self-checksum catches a damaged manifest that still parses (a flipped digit in the step).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import layout
+from .errors import CheckpointConfigError, CorruptCheckpointError
+
+FORMAT = "elasticd-checkpoint"
+FORMAT_VERSION = 1
+_CHECKSUM_KEY = "manifest_sha256"
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """Size and sha256 (hex) of one file of a checkpoint."""
+
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a committed checkpoint is made of. `files` maps names in the step directory."""
+
+    step: int
+    wall_time: float
+    world_size: int
+    files: Mapping[str, FileEntry]
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> bytes:
+        body = {
+            "format": FORMAT,
+            "format_version": self.format_version,
+            "step": self.step,
+            "wall_time": self.wall_time,
+            "world_size": self.world_size,
+            "files": {n: {"bytes": e.bytes, "sha256": e.sha256} for n, e in self.files.items()},
+            "metadata": dict(self.metadata),
+        }
+        body[_CHECKSUM_KEY] = _body_digest(body)
+        return json.dumps(body, indent=1, sort_keys=True, allow_nan=False).encode() + b"\n"
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> Manifest:
+        """Parse and validate; raises CorruptCheckpointError naming `where` and the reason."""
+        try:
+            body = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CorruptCheckpointError(where, f"manifest is not valid JSON ({exc})") from exc
+        if not isinstance(body, dict):
+            raise CorruptCheckpointError(where, "manifest is not a JSON object")
+        _check_envelope(body, where)
+        return cls(
+            step=_field(body, "step", int, where),
+            wall_time=float(_field(body, "wall_time", (int, float), where)),
+            world_size=_field(body, "world_size", int, where),
+            files=_parse_files(_field(body, "files", dict, where), where),
+            metadata=_field(body, "metadata", dict, where),
+            format_version=body["format_version"],
+        )
+
+
+def validate_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A JSON-safe copy of user metadata, or CheckpointConfigError saying what to change."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise CheckpointConfigError(
+            f"metadata must be a dict of JSON values, got {type(metadata)}; pass a dict"
+        )
+    try:
+        return json.loads(json.dumps(dict(metadata), allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointConfigError(
+            f"metadata must be JSON-serializable (str keys; str, numbers, bool, None, lists, "
+            f"dicts; no NaN or infinity): {exc}; convert the offending value"
+        ) from exc
+
+
+def _body_digest(body: Mapping[str, Any]) -> str:
+    canonical = json.dumps(
+        {k: v for k, v in body.items() if k != _CHECKSUM_KEY},
+        sort_keys=True, separators=(",", ":"), allow_nan=False,
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _check_envelope(body: dict[str, Any], where: str) -> None:
+    if body.get("format") != FORMAT:
+        raise CorruptCheckpointError(where, f"not an {FORMAT} manifest")
+    if body.get("format_version") != FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            where,
+            f"format_version {body.get('format_version')!r} is not supported "
+            f"(this reader knows {FORMAT_VERSION})",
+        )
+    if body.get(_CHECKSUM_KEY) != _body_digest(body):
+        raise CorruptCheckpointError(where, "manifest checksum mismatch (damaged manifest)")
+
+
+def _field(body: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    value = body.get(key)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise CorruptCheckpointError(where, f"manifest field {key!r} is missing or malformed")
+    if isinstance(value, (int, float)) and (value < 0 or not math.isfinite(value)):
+        raise CorruptCheckpointError(where, f"manifest field {key!r} is out of range")
+    return value
+
+
+def _parse_files(raw: dict[str, Any], where: str) -> dict[str, FileEntry]:
+    if not raw:
+        raise CorruptCheckpointError(where, "manifest lists no files")
+    files = {}
+    for name, entry in raw.items():
+        if not layout.is_safe_file_name(name) or name == layout.MANIFEST_NAME:
+            raise CorruptCheckpointError(where, f"manifest lists an invalid file name {name!r}")
+        if not isinstance(entry, dict):
+            raise CorruptCheckpointError(where, f"manifest entry for {name!r} is malformed")
+        size = _field(entry, "bytes", int, where)
+        digest = entry.get("sha256")
+        if not (isinstance(digest, str) and len(digest) == 64):
+            raise CorruptCheckpointError(where, f"manifest sha256 for {name!r} is malformed")
+        files[name] = FileEntry(size, digest)
+    return files

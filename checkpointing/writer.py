@@ -1,0 +1,108 @@
+"""Write one checkpoint: data file(s) first, then the manifest that commits them.
+
+Runs in the background writer thread for asynchronous saves, so it hashes while writing
+(one pass over the bytes) instead of re-reading the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from . import _hooks, layout
+from .errors import CheckpointError, StorageError
+from .manifest import FileEntry, Manifest
+from .storage import AtomicWrite, Storage
+
+
+class _HashingSink:
+    """The file-like object torch.save writes to: counts, hashes, forwards to storage.
+
+    It remembers the first storage error because torch.save's cleanup writes again after a
+    failure, and that second error must not hide the first (ENOSPC says what to do).
+    """
+
+    def __init__(self, out: AtomicWrite) -> None:
+        self._out = out
+        self._sha = hashlib.sha256()
+        self.nbytes = 0
+        self.error: StorageError | None = None
+
+    def write(self, data: bytes | memoryview) -> int:
+        if self.error is not None:
+            raise self.error
+        view = memoryview(data).cast("B")
+        self._sha.update(view)  # releases the GIL for large buffers
+        try:
+            self._out.write(view)
+        except StorageError as exc:
+            self.error = exc
+            raise
+        self.nbytes += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        """Nothing buffered here; durability comes from commit()."""
+
+    def entry(self) -> FileEntry:
+        return FileEntry(self.nbytes, self._sha.hexdigest())
+
+
+def _write_data(storage: Storage, path: str, tree: Any) -> FileEntry:
+    with storage.open_write(path) as out:
+        sink = _HashingSink(out)
+        try:
+            torch.save(tree, sink)
+        except Exception as exc:
+            if sink.error is not None:
+                raise sink.error from None
+            raise CheckpointError(f"serializing {storage.describe(path)} failed: {exc}") from exc
+        out.commit()
+    return sink.entry()
+
+
+def write_checkpoint(
+    storage: Storage,
+    step: int,
+    tree: Any,
+    *,
+    world_size: int,
+    metadata: Mapping[str, Any],
+    clock: Callable[[], float] = time.time,
+) -> Manifest:
+    """Write `tree` as checkpoint `step` and commit it; returns the committed manifest.
+
+    If this raises, the checkpoint may be uncommitted (it then does not exist) but every
+    previously committed checkpoint is unchanged: data files always get fresh names and the
+    manifest is replaced atomically, so a re-save of a step swaps old for new in one rename.
+    """
+    directory = layout.step_dir(step)
+    storage.make_dir(directory)
+    data = layout.data_name()
+    entry = _write_data(storage, f"{directory}/{data}", tree)
+    _hooks.phase("checkpoint.data_committed", directory)
+    manifest = Manifest(
+        step=step, wall_time=clock(), world_size=world_size,
+        files={data: entry}, metadata=dict(metadata),
+    )
+    try:
+        with storage.open_write(f"{directory}/{layout.MANIFEST_NAME}") as out:
+            out.write(manifest.to_json())
+            out.commit()
+    except CheckpointError:
+        _discard(storage, f"{directory}/{data}")
+        raise
+    _hooks.phase("checkpoint.committed", directory)
+    return manifest
+
+
+def _discard(storage: Storage, path: str) -> None:
+    """Free the space of an uncommitted data file now (disk full is the usual cause)."""
+    # If this fails too, the file is a leftover of this process: the next cleanup takes it.
+    with contextlib.suppress(StorageError):
+        storage.remove(path)
