@@ -62,8 +62,12 @@ class EmbeddedEtcd:
     way a crashed member comes back.
     """
 
-    def __init__(self, data_dir: str | None = None, binary: str | None = None) -> None:
+    def __init__(self, data_dir: str | None = None, binary: str | None = None,
+                 tls_dir: str | None = None) -> None:
+        """``tls_dir``: a directory made by deploy/etcd/make-certs.sh (server-127.0.0.1.pem,
+        ca.pem ...); the member then serves clients over TLS and requires client certs."""
         self.binary = binary or find_etcd_binary()
+        self.tls_dir = tls_dir
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="elasticd-etcd-")
         self.client_port = free_port()
@@ -76,8 +80,19 @@ class EmbeddedEtcd:
         return f"127.0.0.1:{self.client_port}"
 
     def _command(self) -> list[str]:
-        client = f"http://127.0.0.1:{self.client_port}"
+        scheme = "https" if self.tls_dir else "http"
+        client = f"{scheme}://127.0.0.1:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
+        return [*self._base_command(client, peer), *self._tls_flags()]
+
+    def _tls_flags(self) -> list[str]:
+        if not self.tls_dir:
+            return []
+        d = self.tls_dir
+        return ["--cert-file", f"{d}/server-127.0.0.1.pem", "--key-file", f"{d}/server-127.0.0.1-key.pem",
+                "--client-cert-auth", "--trusted-ca-file", f"{d}/ca.pem"]
+
+    def _base_command(self, client: str, peer: str) -> list[str]:
         return [
             self.binary,
             "--name", "elasticd-embedded",
@@ -106,9 +121,18 @@ class EmbeddedEtcd:
     def healthy(self) -> bool:
         if self.proc is None or self.proc.poll() is not None:
             return False
+        if self.tls_dir:
+            return self._port_open()
         try:
             with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as resp:
                 return b'"true"' in resp.read()
+        except OSError:
+            return False
+
+    def _port_open(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.client_port), timeout=1):
+                return True
         except OSError:
             return False
 

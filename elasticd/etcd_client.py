@@ -14,6 +14,7 @@ which is what torch's rendezvous and our store do.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import queue
 import threading
@@ -24,6 +25,7 @@ from typing import Any
 
 import etcd3
 import etcd3.exceptions as etcd_exc
+import etcd3.watch
 import grpc
 import structlog
 import tenacity
@@ -37,6 +39,30 @@ DEFAULT_PORT = 2379
 # A failed endpoint is skipped for this long before it is tried again. The client
 # library's default (300 s) would turn a 2-second etcd restart into a 5-minute outage.
 _ENDPOINT_RETRY_S = 0.5
+
+
+# python3-etcd3 0.13's watch thread calls ``six.itervalues`` when a stream ends
+# without importing six: the NameError kills the thread before the callbacks hear
+# of the broken stream (after an etcd restart, say). Give it what it calls.
+if not hasattr(etcd3.watch, "six"):
+    etcd3.watch.six = type("six", (), {"itervalues": staticmethod(lambda d: iter(d.values()))})
+
+_NO_RETRY: contextvars.ContextVar[bool] = contextvars.ContextVar("elasticd_etcd_no_retry",
+                                                                default=False)
+
+
+@contextmanager
+def no_retry() -> Iterator[None]:
+    """Within this block, etcd calls of this thread fail at once instead of retrying.
+
+    For callers on a hot path that must never wait out an etcd outage (the
+    agent's monitor loop, heartbeats): they treat an error as "no news".
+    """
+    token = _NO_RETRY.set(True)
+    try:
+        yield
+    finally:
+        _NO_RETRY.reset(token)
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:
@@ -136,10 +162,15 @@ class EtcdClient:
             for e in self.settings.endpoints
         ]
         with self._translated():
-            return etcd3.MultiEndpointEtcd3Client(
+            client = etcd3.MultiEndpointEtcd3Client(
                 endpoints=endpoints, timeout=self.settings.timeout_s,
                 user=self.settings.user, password=self.settings.password, failover=True,
             )
+        if not self.settings.secure:
+            # grpc refuses call credentials on a plaintext channel; the auth token
+            # also travels in the request metadata, which is all etcd reads.
+            client.call_credentials = None
+        return client
 
     @contextmanager
     def _translated(self) -> Iterator[None]:
@@ -172,16 +203,20 @@ class EtcdClient:
             )
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             return EtcdUnavailable(self._unavailable_message(exc))
-        if code == grpc.StatusCode.INVALID_ARGUMENT and "token" in (details or ""):
-            return EtcdAuthError(f"etcd auth token rejected ({details})")
+        if code == grpc.StatusCode.INVALID_ARGUMENT and any(
+                word in (details or "") for word in ("authentication", "user name", "token")):
+            return EtcdAuthError(
+                f"etcd rejected the credentials ({details}); check user and password "
+                f"(endpoints {self.settings.describe()})"
+            )
         return EtcdError(f"etcd error {code}: {details}")
 
     def _with_retry(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn``, retrying transient unavailability for at most ``retry_s`` seconds."""
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(EtcdUnavailable),
-            wait=tenacity.wait_exponential_jitter(initial=0.05, max=1.0, jitter=0.1),
-            stop=tenacity.stop_after_delay(self.settings.retry_s),
+            wait=tenacity.wait_exponential_jitter(multiplier=0.05, max=1.0, jitter=0.1),
+            stop=tenacity.stop_after_delay(0 if _NO_RETRY.get() else self.settings.retry_s),
             reraise=True,
         )
         return retrying(fn)

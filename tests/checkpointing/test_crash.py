@@ -1,0 +1,158 @@
+"""SIGKILL a saving process at random instants and inside every phase of a save.
+
+After each kill a fresh manager must load a checkpoint equal to one that was saved, never
+older than the last one the child reported committed, and never raise. Children are forked
+from this pre-imported process (import torch costs ~1.5 s per exec).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import select
+import signal
+import time
+import traceback
+
+import pytest
+
+from checkpointing import CheckpointManager, _hooks
+
+from .helpers import assert_same, make_state
+
+NUMEL = 1 << 17  # ~0.7 MB per checkpoint: torch.save makes several writes, fsync takes a while
+# (phase, path substring, which occurrence to stop at): kill points inside the commit protocol.
+TARGETED = [
+    ("write.opened", "state-", 1),
+    ("write.data", "state-", 3),
+    ("write.fsynced", "state-", 1),  # data complete, before its rename
+    ("write.renamed", "state-", 1),  # renamed, before the directory fsync
+    ("checkpoint.data_committed", "step-", 1),  # data in place, no manifest yet
+    ("write.opened", "manifest", 1),
+    ("write.fsynced", "manifest", 1),  # manifest written, before the commit rename
+    ("write.renamed", "manifest", 1),  # committed, before the directory fsync
+    ("retention.uncommitted", "step-", 1),  # retention removed a manifest, not the data yet
+]
+RANDOM_KILLS = 45
+TARGETED_ROUNDS = 2
+
+
+def _send(fd: int, line: str) -> None:
+    os.write(fd, (line + "\n").encode())  # < PIPE_BUF: atomic, never interleaved
+
+
+def _install_pause(fd: int, target: tuple[str, str, int] | None) -> None:
+    seen = 0
+
+    def hook(name: str, path: str) -> None:
+        nonlocal seen
+        if target and name == target[0] and target[1] in path:
+            seen += 1
+            if seen == target[2]:
+                _send(fd, f"P {name} {path}")
+                time.sleep(30)  # the parent kills us here
+
+    _hooks.phase_hook = hook
+
+
+def _child(directory: str, fd: int, target, seed: int) -> None:
+    try:
+        rng = random.Random(seed)
+        _install_pause(fd, target)
+        manager = CheckpointManager(directory, keep_last=2)
+        step = (manager.latest_step() or 0) + 1
+        while True:
+            _send(fd, f"S {step}")
+            blocking = rng.random() < 0.5
+            manager.save(step, make_state(step, NUMEL), blocking=blocking)
+            if not blocking:
+                manager.wait()
+            _send(fd, f"C {step}")
+            step += 1
+    except BaseException:
+        _send(fd, "E " + traceback.format_exc().replace("\n", " | ")[-3000:])
+        raise
+
+
+class _Child:
+    """One forked saver and the lines it reports."""
+
+    def __init__(self, directory: str, target, seed: int) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self._read, write = os.pipe()
+        self.proc = ctx.Process(target=_child, args=(directory, write, target, seed))
+        self.proc.start()
+        os.close(write)
+        self._buf = b""
+        self.lines: list[str] = []
+
+    def read_until(self, prefix: str, timeout: float) -> str | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self._drain(deadline - time.monotonic()):
+                if line.startswith("E "):
+                    pytest.fail(f"child failed: {line}")
+                if line.startswith(prefix):
+                    return line
+        return None
+
+    def _drain(self, timeout: float) -> list[str]:
+        ready, _, _ = select.select([self._read], [], [], max(timeout, 0))
+        if ready:
+            self._buf += os.read(self._read, 65536)
+        *complete, self._buf = self._buf.split(b"\n")
+        new = [line.decode() for line in complete]
+        self.lines.extend(new)
+        return new
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+        self._drain(0)
+        os.close(self._read)
+
+    def steps(self, kind: str) -> set[int]:
+        return {int(line.split()[1]) for line in self.lines if line.startswith(kind + " ")}
+
+
+def _check_after_kill(directory, attempted: set[int], committed: int) -> int:
+    manager = CheckpointManager(directory, keep_last=2)  # what a restarted trainer does
+    loaded = manager.load_latest()
+    assert loaded is not None, "a committed checkpoint was lost"
+    assert loaded.step >= committed, f"step {committed} was committed, loaded {loaded.step}"
+    assert loaded.step in attempted, f"loaded step {loaded.step} that was never saved"
+    assert_same(loaded.state, make_state(loaded.step, NUMEL))
+    return loaded.step
+
+
+def test_sigkill_at_random_instants_and_inside_each_phase(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    with CheckpointManager(directory, keep_last=2) as seed_manager:
+        seed_manager.save(0, make_state(0, NUMEL))
+    plan = [None] * RANDOM_KILLS + TARGETED * TARGETED_ROUNDS
+    random.Random(7).shuffle(plan)
+    attempted, committed, kills, hit = {0}, 0, 0, set()
+    rng = random.Random(1234)
+    for i, target in enumerate(plan):
+        child = _Child(directory, target, seed=i)
+        try:
+            if target is None:
+                assert child.read_until("S ", 20), "child never started a save"
+                time.sleep(rng.uniform(0, 0.12))
+            else:
+                line = child.read_until("P ", 20)
+                assert line, f"child never reached phase {target}"
+                hit.add(target)
+        finally:
+            child.kill()
+        assert child.proc.exitcode == -signal.SIGKILL, child.lines[-3:]
+        kills += 1
+        attempted |= child.steps("S")
+        committed = max([committed, *child.steps("C")])
+        committed = max(committed, _check_after_kill(directory, attempted, committed))
+    assert kills >= 50
+    assert hit == set(TARGETED)
+    leftovers = [p for p in (tmp_path / "ckpt").rglob(".tmp-*")]
+    assert not leftovers, f"cleanup left temp files: {leftovers}"
