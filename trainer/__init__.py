@@ -1,0 +1,60 @@
+"""trainer: the worker-side library of elasticd (works under plain torchrun too).
+
+Elastic context from torchrun's environment, process-group set-up (NCCL on CUDA,
+else gloo) with short timeouts, LR rescaling to the world size, an exactly-once
+resumable sampler, coordinated stop, checkpoint cadence and resume. See
+docs/trainer.md.
+
+Names are imported lazily: the daemon reads the exit codes without paying for
+``import torch``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from trainer.errors import CheckpointMismatch, ConfigError, LaunchError, TrainerError
+from trainer.exitcodes import (
+    COMPLETE_EXIT_CODE,
+    FAILURE_EXIT_CODE,
+    ORPHAN_EXIT_CODE,
+    STOP_EXIT_CODE,
+)
+
+_LAZY = {
+    "ElasticContext": "trainer.context",
+    "init_distributed": "trainer.dist",
+    "wrap_ddp": "trainer.dist",
+    "CollectiveError": "trainer.dist",
+    "scale_lr": "trainer.lr",
+    "LRScale": "trainer.lr",
+    "plan_batches": "trainer.batching",
+    "BatchPlan": "trainer.batching",
+    "ElasticSampler": "trainer.sampler",
+    "StopRequest": "trainer.stop",
+    "OrphanWatchdog": "trainer.watchdog",
+    "ProgressReporter": "trainer.progress",
+    "ElasticTrainer": "trainer.loop",
+    "TrainConfig": "trainer.loop",
+    "configure_logging": "trainer.logs",
+}
+
+__all__ = [
+    "COMPLETE_EXIT_CODE",
+    "FAILURE_EXIT_CODE",
+    "ORPHAN_EXIT_CODE",
+    "STOP_EXIT_CODE",
+    "CheckpointMismatch",
+    "ConfigError",
+    "LaunchError",
+    "TrainerError",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'trainer' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

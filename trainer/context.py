@@ -1,0 +1,164 @@
+"""Who this worker is and what the daemon asked of it, read once from the environment.
+
+Two sources, both optional beyond torchrun's own variables:
+
+* torchrun's worker environment (RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK, ...);
+* the ``ELASTICD_*`` contract set by the elasticd daemon. A plain torchrun user may
+  export the same variables by hand or pass the equivalent script arguments
+  (``ElasticContext.with_overrides``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.errors import ConfigError, LaunchError
+
+LR_RULES = ("linear", "sqrt", "none")
+
+# env:// process-group init needs all of these; torchrun always sets them.
+REQUIRED_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+_HOW_TO_LAUNCH = (
+    "launch the script with torchrun, e.g. "
+    "`python -m torch.distributed.run --standalone --nproc-per-node=2 SCRIPT ...`, "
+    "or for a single process export RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 "
+    "MASTER_ADDR=127.0.0.1 MASTER_PORT=29500"
+)
+
+
+@dataclass(frozen=True)
+class ElasticContext:
+    """This worker's place in the world plus the ``ELASTICD_*`` settings.
+
+    ``None`` means "not set": the library then uses its documented default.
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int = 1
+    node_rank: int = 0
+    restart_count: int = 0
+    run_id: str = "none"
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    job_id: str | None = None
+    node_id: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every_steps: int | None = None
+    checkpoint_every_s: float | None = None
+    keep_last: int = 3
+    lr_rule: str = "none"
+    lr_base_world_size: int | None = None
+    lr_warmup_steps: int = 0
+    stop_file: str | None = None
+    progress_file: str | None = None
+    daemon_pid: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.world_size >= 1, "WORLD_SIZE", self.world_size, "a positive integer")
+        _check(0 <= self.rank < self.world_size, "RANK", self.rank, f"0 <= RANK < {self.world_size}")
+        _check(self.local_rank >= 0, "LOCAL_RANK", self.local_rank, "a non-negative integer")
+        _check(self.lr_rule in LR_RULES, "ELASTICD_LR_RULE", self.lr_rule, " | ".join(LR_RULES))
+        # Two at least, so a crash during a save always leaves an older committed one.
+        _check(self.keep_last >= 2, "ELASTICD_KEEP_LAST", self.keep_last, "an integer >= 2")
+        _check(self.lr_warmup_steps >= 0, "ELASTICD_LR_WARMUP_STEPS", self.lr_warmup_steps, ">= 0")
+        _check(
+            self.lr_base_world_size is None or self.lr_base_world_size >= 1,
+            "ELASTICD_LR_BASE_WORLD_SIZE", self.lr_base_world_size, "a positive integer",
+        )
+        _check(
+            self.checkpoint_every_steps is None or self.checkpoint_every_steps >= 1,
+            "ELASTICD_CHECKPOINT_EVERY_STEPS", self.checkpoint_every_steps, "an integer >= 1",
+        )
+        _check(
+            self.checkpoint_every_s is None or self.checkpoint_every_s > 0,
+            "ELASTICD_CHECKPOINT_EVERY_S", self.checkpoint_every_s, "a number > 0",
+        )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ElasticContext:
+        """Read torchrun's and elasticd's variables; raise LaunchError naming what is missing."""
+        env = os.environ if environ is None else environ
+        missing = [name for name in REQUIRED_VARS if not env.get(name)]
+        if missing:
+            raise LaunchError(
+                f"missing environment variable(s) {', '.join(missing)}: this is not a torchrun "
+                f"worker; {_HOW_TO_LAUNCH}"
+            )
+        world_size = _parse(env, "WORLD_SIZE", int)
+        return cls(
+            rank=_parse(env, "RANK", int),
+            local_rank=_parse(env, "LOCAL_RANK", int),
+            world_size=world_size,
+            local_world_size=_parse(env, "LOCAL_WORLD_SIZE", int, default=world_size),
+            node_rank=_parse(env, "GROUP_RANK", int, default=0),
+            restart_count=_parse(env, "TORCHELASTIC_RESTART_COUNT", int, default=0),
+            run_id=env.get("TORCHELASTIC_RUN_ID") or "none",
+            master_addr=env["MASTER_ADDR"],
+            master_port=_parse(env, "MASTER_PORT", int),
+            **_elasticd_settings(env),
+        )
+
+    @classmethod
+    def single_process(cls, **settings: Any) -> ElasticContext:
+        """A world of one, for notebooks and unit tests (the caller owns MASTER_* setup)."""
+        return cls(rank=0, local_rank=0, world_size=1, **settings)
+
+    def with_overrides(self, **settings: Any) -> ElasticContext:
+        """A copy with the given settings replaced; ``None`` values leave a setting alone.
+
+        This is how script arguments take precedence over the environment.
+        """
+        given = {k: v for k, v in settings.items() if v is not None}
+        return dataclasses.replace(self, **given)
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_local_rank0(self) -> bool:
+        return self.local_rank == 0
+
+
+def _elasticd_settings(env: Mapping[str, str]) -> dict[str, Any]:
+    settings = {
+        "job_id": env.get("ELASTICD_JOB_ID") or None,
+        "node_id": env.get("ELASTICD_NODE_ID") or None,
+        "checkpoint_dir": env.get("ELASTICD_CHECKPOINT_DIR") or None,
+        "checkpoint_every_steps": _parse(env, "ELASTICD_CHECKPOINT_EVERY_STEPS", int),
+        "checkpoint_every_s": _parse(env, "ELASTICD_CHECKPOINT_EVERY_S", float),
+        "keep_last": _parse(env, "ELASTICD_KEEP_LAST", int),
+        "lr_rule": (env.get("ELASTICD_LR_RULE") or "").strip().lower() or None,
+        "lr_base_world_size": _parse(env, "ELASTICD_LR_BASE_WORLD_SIZE", int),
+        "lr_warmup_steps": _parse(env, "ELASTICD_LR_WARMUP_STEPS", int),
+        "stop_file": env.get("ELASTICD_STOP_FILE") or None,
+        "progress_file": env.get("ELASTICD_PROGRESS_FILE") or None,
+        "daemon_pid": _parse(env, "ELASTICD_DAEMON_PID", int),
+    }
+    # Unset variables fall back to the dataclass defaults.
+    return {k: v for k, v in settings.items() if v is not None}
+
+
+def _parse(env: Mapping[str, str], name: str, kind: Callable[[str], Any], default: Any = None):
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return kind(raw.strip())
+    except ValueError:
+        raise ConfigError(
+            f"{name}={raw!r} is not a valid {kind.__name__}; set it to a {kind.__name__} "
+            f"or unset it"
+        ) from None
+
+
+def _check(ok: bool, name: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}={value!r} is invalid: expected {expected}")

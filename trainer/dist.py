@@ -1,0 +1,172 @@
+"""Process-group set-up, DDP wrapping and the per-step agreement collective.
+
+This is the adapter to ``torch.distributed``: its errors are translated here.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import structlog
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer.context import ElasticContext
+from trainer.errors import ConfigError, TrainerError
+
+log = structlog.get_logger(__name__)
+
+# NCCL's default is 10 minutes, gloo's 30: far too long for a job whose peers can
+# vanish. The daemon notices dead peers itself; this is the backstop for a hang.
+DEFAULT_TIMEOUT = timedelta(seconds=120)
+
+
+class CollectiveError(TrainerError):
+    """A collective failed: a peer died or timed out. The worker should exit and be restarted."""
+
+
+# How gloo and NCCL word a dead or hung peer when the failure surfaces as a plain
+# RuntimeError (e.g. inside DDP's backward) rather than a DistError.
+_TRANSPORT_FAILURE_MARKERS = (
+    "gloo", "nccl", "connection closed", "connection reset", "broken pipe", "timed out",
+    "remote worker", "process group",
+)
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """True when ``exc`` means a peer or collective failed, not a bug in the script."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(m in text for m in _TRANSPORT_FAILURE_MARKERS)
+
+
+def synced_backward(loss: torch.Tensor) -> None:
+    """``loss.backward()`` where DDP all-reduces gradients; peer failures become CollectiveError."""
+    try:
+        loss.backward()
+    except RuntimeError as exc:
+        if is_collective_failure(exc):
+            raise CollectiveError(f"gradient all-reduce failed (a peer is gone?): {exc}") from exc
+        raise
+
+
+def choose_backend(backend: str = "auto") -> str:
+    """``nccl`` when CUDA is available (and ``auto``), else ``gloo``."""
+    if backend != "auto":
+        return backend
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def device_for(ctx: ElasticContext, backend: str) -> torch.device:
+    """The device this worker computes on: ``cuda:LOCAL_RANK`` under NCCL, else CPU."""
+    if backend == "nccl":
+        return torch.device("cuda", ctx.local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(
+    ctx: ElasticContext | None = None,
+    backend: str = "auto",
+    timeout: timedelta = DEFAULT_TIMEOUT,
+) -> torch.device:
+    """Join the process group of torchrun's world (``env://``) and return this worker's device.
+
+    NCCL: binds ``cuda:LOCAL_RANK`` and turns on asynchronous error handling
+    (``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``, tear down the communicator and the
+    process when a collective fails or exceeds ``timeout``, so torchrun restarts the
+    worker instead of it hanging). ``TORCH_NCCL_BLOCKING_WAIT`` is left unset: with
+    async handling it is redundant and would make every wait synchronous. Both are
+    set only if the user has not set them. gloo enforces ``timeout`` itself.
+    Idempotent: a second call returns the device without re-initialising.
+    """
+    ctx = ctx or ElasticContext.from_env()
+    backend = choose_backend(backend)
+    device = device_for(ctx, backend)
+    if dist.is_initialized():
+        return device
+    if backend == "nccl":
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        torch.cuda.set_device(device)
+    os.environ.setdefault("MASTER_ADDR", ctx.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(ctx.master_port))
+    try:
+        dist.init_process_group(
+            backend=backend,
+            init_method="env://",
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            timeout=timeout,
+            device_id=device if backend == "nccl" else None,
+        )
+    except (RuntimeError, ValueError) as exc:
+        raise CollectiveError(
+            f"could not join the {backend} process group at {ctx.master_addr}:"
+            f"{ctx.master_port} as rank {ctx.rank}/{ctx.world_size}: {exc}"
+        ) from exc
+    log.info("process group ready", backend=backend, rank=ctx.rank,
+             world_size=ctx.world_size, device=str(device), timeout_s=timeout.total_seconds())
+    return device
+
+
+def wrap_ddp(model: torch.nn.Module, device: torch.device, **ddp_kwargs) -> DistributedDataParallel:
+    """Move ``model`` to ``device`` and wrap it in DDP (parameters broadcast from rank 0)."""
+    if not dist.is_initialized():
+        raise ConfigError("wrap_ddp needs a process group: call init_distributed() first")
+    model = model.to(device)
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside a DDP wrapper (what checkpoints store)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def step_boundary(stop: bool, loss_sum: float, device: torch.device) -> tuple[bool, float]:
+    """The one small collective per step: did any rank ask to stop, and the global loss sum.
+
+    Every rank must call it once per step, in the same order as its other collectives.
+    """
+    buf = torch.tensor([1.0 if stop else 0.0, loss_sum], dtype=torch.float64, device=device)
+    all_reduce(buf)
+    return bool(buf[0].item() > 0), float(buf[1].item())
+
+
+def broadcast_int(value: int, device: torch.device, src: int = 0) -> int:
+    """``value`` as held by rank ``src``, on every rank."""
+    buf = torch.tensor([value], dtype=torch.int64, device=device)
+    try:
+        dist.broadcast(buf, src=src)
+    except (RuntimeError, ValueError) as exc:
+        raise CollectiveError(f"broadcast failed (a peer is gone?): {exc}") from exc
+    return int(buf.item())
+
+
+def all_reduce(buf: torch.Tensor) -> None:
+    """Sum ``buf`` over ranks in place; a peer failure becomes CollectiveError."""
+    try:
+        dist.all_reduce(buf)
+    except (RuntimeError, ValueError) as exc:
+        raise CollectiveError(f"all_reduce failed (a peer is gone?): {exc}") from exc
+
+
+def barrier() -> None:
+    """Wait for every rank; a peer failure becomes CollectiveError."""
+    try:
+        dist.barrier()
+    except (RuntimeError, ValueError) as exc:
+        raise CollectiveError(f"barrier failed (a peer is gone?): {exc}") from exc
+
+
+def shutdown() -> None:
+    """Leave the process group, if any (errors ignored: the peers may be gone already)."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001 - best effort on the way out
+            log.warning("process group teardown failed", error=str(exc))

@@ -1,0 +1,16 @@
+"""Worker exit codes: the contract with the daemon (torch-free, so the daemon can import it).
+
+* ``COMPLETE_EXIT_CODE`` (0): training complete (max steps / epochs reached, final
+  checkpoint committed); the daemon records the job as completed.
+* ``STOP_EXIT_CODE`` (75, EX_TEMPFAIL): coordinated stop (SIGTERM, SIGINT or the stop
+  file) after rank 0 committed a checkpoint of the agreed step; resume later.
+* ``FAILURE_EXIT_CODE`` (1): a peer or collective failed; restart from the newest
+  checkpoint (rank 0 tries to commit the last completed step on the way out).
+* ``ORPHAN_EXIT_CODE`` (70): the orphan watchdog ended a worker whose torchrun agent
+  or daemon died.
+"""
+
+COMPLETE_EXIT_CODE = 0
+STOP_EXIT_CODE = 75
+FAILURE_EXIT_CODE = 1
+ORPHAN_EXIT_CODE = 70

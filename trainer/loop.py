@@ -1,0 +1,344 @@
+"""The elastic training loop: resume, step, checkpoint, coordinated stop.
+
+A script builds its model, optimizer and data, then hands them to ``ElasticTrainer``
+and exits with what ``run()`` returns::
+
+    trainer = ElasticTrainer(model, optimizer, len(data), batch_fn, loss_fn,
+                             TrainConfig(micro_batch=32, max_steps=1000))
+    sys.exit(trainer.run())
+
+One step (``step`` counts completed optimizer steps):
+
+1. take the next ``global_batch`` indices of the epoch's permutation; this rank's
+   share is split into ``accum`` micro-batches;
+2. set the LR for the update (rescaled to the world size, ramped, scheduled);
+3. forward/backward each micro-batch (DDP syncs on the last), optimizer step,
+   advance the sampler: the state is now that of ``step + 1`` on every rank;
+4. one all-reduce agrees on stopping (any rank's SIGTERM, SIGINT or stop file)
+   and sums the loss;
+5. rank 0 saves periodically (non-blocking); on an agreed stop it saves this step
+   blocking, all ranks pass a barrier and exit with STOP_EXIT_CODE.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+
+from trainer import dist as tdist
+from trainer.batching import BatchPlan, micro_batches, plan_batches, shard
+from trainer.context import ElasticContext
+from trainer.errors import ConfigError
+from trainer.exitcodes import COMPLETE_EXIT_CODE, FAILURE_EXIT_CODE, STOP_EXIT_CODE
+from trainer.lr import LRScale, Schedule, apply_lrs, base_lrs_of, lrs_at, start_scale
+from trainer.progress import ProgressReporter
+from trainer.sampler import ElasticSampler
+from trainer.state import TrainState, step_seed
+from trainer.stop import StopRequest
+from trainer.watchdog import OrphanWatchdog
+
+log = structlog.get_logger(__name__)
+
+BatchFn = Callable[[np.ndarray], Any]
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+@dataclass
+class TrainConfig:
+    """What the script decides; the checkpoint cadence and LR policy come from the context.
+
+    micro_batch: samples per rank per micro-step. global_batch: set it for
+    constant-global-batch mode (gradient accumulation; the LR rule is then
+    ignored: the global batch never changes). The run completes at ``max_steps``
+    optimizer steps or after ``max_epochs`` epochs, whichever comes first.
+    """
+
+    micro_batch: int
+    max_steps: int | None = None
+    max_epochs: int | None = None
+    global_batch: int | None = None
+    seed: int = 0
+    shuffle: bool = True
+    log_every: int = 10
+    step_sleep_s: float = 0.0
+    reseed_each_step: bool = True
+    save_on_failure: bool = True
+    backend: str = "auto"
+    timeout: timedelta = tdist.DEFAULT_TIMEOUT
+    ddp_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_steps is None and self.max_epochs is None:
+            raise ConfigError("set max_steps or max_epochs: the run needs an end to complete")
+        if self.step_sleep_s < 0:
+            raise ConfigError(f"step_sleep_s={self.step_sleep_s} must be >= 0")
+
+
+class ElasticTrainer:
+    """Runs the loop described in the module docstring; one instance per worker process.
+
+    ``batch_fn(indices)`` returns the batch for an array of dataset indices (this
+    rank's micro-batch). ``loss_fn(model, batch)`` returns *per-sample* losses
+    (``reduction="none"``; extra dims are averaged per sample): the loop forms the
+    mean over the step's global batch itself, exactly, whatever the split.
+    ``lr_schedule(step)`` is an optional multiplier of the configured LRs.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dataset_len: int,
+        batch_fn: BatchFn,
+        loss_fn: LossFn,
+        config: TrainConfig,
+        ctx: ElasticContext | None = None,
+        lr_schedule: Schedule | None = None,
+    ) -> None:
+        self.ctx = ctx or ElasticContext.from_env()
+        self.config = config
+        self.batch_fn = batch_fn
+        self.loss_fn = loss_fn
+        self.lr_schedule = lr_schedule
+        self.base_lrs = base_lrs_of(optimizer)  # before any load_state_dict can change them
+        self.plan: BatchPlan = plan_batches(
+            self.ctx.world_size, config.micro_batch, config.global_batch
+        )
+        self.state = TrainState(
+            model=model, optimizer=optimizer,
+            sampler=ElasticSampler(dataset_len, config.seed, config.shuffle),
+            world_size=self.ctx.world_size, global_batch=self.plan.global_batch,
+        )
+        self.stop = StopRequest(self.ctx.stop_file)
+        self.progress = ProgressReporter(self.ctx, config.log_every)
+        self.watchdog = OrphanWatchdog(self.ctx.daemon_pid)
+        self.device = torch.device("cpu")
+        self.ddp: torch.nn.Module = model
+        self.checkpoints: Any = None  # checkpointing.CheckpointManager when a dir is set
+        self.saved_step = -1
+        self.loss: float | None = None
+        self._last_save = time.monotonic()
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Train until complete (returns 0), stopped (STOP_EXIT_CODE) or failed (1)."""
+        self.watchdog.start()
+        self.stop.install()
+        try:
+            self._setup()
+            return self._train()
+        except tdist.CollectiveError as exc:
+            return self._on_failure(exc)
+        finally:
+            self._close()
+
+    def _setup(self) -> None:
+        self.device = tdist.init_distributed(self.ctx, self.config.backend, self.config.timeout)
+        self.state.model.to(self.device)
+        self._open_checkpoints()
+        self._resume()
+        self.ddp = tdist.wrap_ddp(self.state.model, self.device, **self.config.ddp_kwargs)
+
+    def _close(self) -> None:
+        self.stop.uninstall()
+        if self.checkpoints is not None:
+            try:
+                self.checkpoints.close()  # an in-flight periodic save still commits
+            except Exception as exc:  # noqa: BLE001 - report, the exit code says the rest
+                log.error("checkpoint write failed", error=str(exc))
+        tdist.shutdown()
+
+    # -- resume --------------------------------------------------------------------------
+
+    def _open_checkpoints(self) -> None:
+        directory = self.ctx.checkpoint_dir
+        if directory is None:
+            log.warning("no checkpoint directory: a stop or failure loses all progress",
+                        hint="set ELASTICD_CHECKPOINT_DIR or --checkpoint-dir")
+            return
+        from checkpointing import CheckpointManager  # heavy-ish; only when used
+
+        # Rank 0 opens first: opening removes leftovers of crashed writers, which must
+        # not race with the other ranks' reads (they open after the broadcast below).
+        if self.ctx.is_rank0:
+            self.checkpoints = CheckpointManager(directory, keep_last=self.ctx.keep_last)
+
+    def _resume(self) -> None:
+        """All ranks load the step rank 0 chose, then apply the LR for this world."""
+        found = self.checkpoints.load_latest() if self.checkpoints is not None else None
+        step = tdist.broadcast_int(found.step if found else -1, self.device)
+        saved_scale: LRScale | None = None
+        saved_world = None
+        if step >= 0:
+            if found is None:
+                found = self._open_reader().load(step)
+            saved_scale = self.state.load_checkpoint(found.state, step)
+            saved_world = found.state["world"]["world_size"]
+            self.saved_step = step
+        elif self.ctx.checkpoint_dir is not None and not self.ctx.is_rank0:
+            self._open_reader()
+        self.state.scale = self._scale_for(saved_scale, step)
+        lrs = self._apply_lr()
+        if step >= 0:
+            self.progress.report("resumed", step, lr=lrs[0], lrs=lrs, from_world_size=saved_world,
+                                 epoch=self.state.sampler.epoch, global_batch=self.plan.global_batch)
+
+    def _open_reader(self) -> Any:
+        from checkpointing import CheckpointManager
+
+        if self.checkpoints is None:
+            self.checkpoints = CheckpointManager(self.ctx.checkpoint_dir, keep_last=self.ctx.keep_last)
+        return self.checkpoints
+
+    def _scale_for(self, saved: LRScale | None, step: int) -> LRScale:
+        # Constant global batch: the batch never changes, so neither does the LR.
+        rule = "none" if self.config.global_batch is not None else self.ctx.lr_rule
+        return start_scale(saved, max(step, 0), self.ctx.world_size, rule,
+                           self.ctx.lr_base_world_size, self.ctx.lr_warmup_steps)
+
+    def _apply_lr(self) -> list[float]:
+        assert self.state.scale is not None
+        lrs = lrs_at(self.base_lrs, self.state.scale, self.state.step, self.lr_schedule)
+        apply_lrs(self.state.optimizer, lrs)
+        return lrs
+
+    # -- training ------------------------------------------------------------------------
+
+    def _train(self) -> int:
+        while not self._complete():
+            n, loss_sum = self._step()
+            stop, loss_total = tdist.step_boundary(self.stop.requested(), loss_sum, self.device)
+            self.loss = loss_total / n
+            if stop:
+                return self._stop()
+            saved = self._periodic_checkpoint()
+            self._report("checkpoint" if saved else "step")
+            if self.config.step_sleep_s:
+                time.sleep(self.config.step_sleep_s)
+        return self._finish()
+
+    def _complete(self) -> bool:
+        cfg, st = self.config, self.state
+        return (cfg.max_steps is not None and st.step >= cfg.max_steps) or (
+            cfg.max_epochs is not None and st.sampler.epoch >= cfg.max_epochs
+        )
+
+    def _step(self) -> tuple[int, float]:
+        """One optimizer step; returns (global sample count, this rank's loss sum)."""
+        st, ctx = self.state, self.ctx
+        indices = st.sampler.next_indices(self.plan.global_batch)
+        mine = shard(indices, ctx.world_size, ctx.rank)
+        st.lrs_used = self._apply_lr()
+        if self.config.reseed_each_step:
+            torch.manual_seed(step_seed(self.config.seed, st.step, ctx.rank))
+        st.optimizer.zero_grad(set_to_none=True)
+        loss_sum = self._accumulate(micro_batches(mine, self.plan.accum), len(indices), indices[0])
+        st.optimizer.step()
+        # From here the state is that of step + 1 on every rank (the gradient all-reduce
+        # succeeded), which is what makes a checkpoint after a later failure consistent.
+        st.sampler.advance(len(indices))
+        st.step += 1
+        return len(indices), loss_sum
+
+    def _accumulate(self, micro: Sequence[np.ndarray], n_global: int, filler: int) -> float:
+        """Backward of every micro-batch; DDP all-reduces on the last one only."""
+        # DDP averages over ranks, so sum * world_size / n_global is the global mean.
+        weight = self.ctx.world_size / n_global
+        loss_sum = 0.0
+        for i, batch_idx in enumerate(micro):
+            last = i == len(micro) - 1
+            if len(batch_idx) == 0 and not last:
+                continue
+            sync = contextlib.nullcontext() if last else self.ddp.no_sync()
+            backward = tdist.synced_backward if last else torch.Tensor.backward
+            with sync:
+                if len(batch_idx):
+                    losses = self._losses(batch_idx)
+                    backward(losses.sum() * weight)
+                    loss_sum += float(losses.detach().sum())
+                else:
+                    # An empty share at epoch end must still join the all-reduce: a real
+                    # forward (DDP requires one) whose loss is multiplied by zero.
+                    backward(self._losses(np.array([filler])).sum() * 0.0)
+        return loss_sum
+
+    def _losses(self, batch_idx: np.ndarray) -> torch.Tensor:
+        losses = self.loss_fn(self.ddp, self.batch_fn(batch_idx))
+        if losses.dim() == 0:
+            raise ConfigError(
+                "loss_fn returned a scalar; return per-sample losses (e.g. "
+                "F.mse_loss(..., reduction='none')) so the loop can average over the global batch"
+            )
+        return losses.flatten(1).mean(1) if losses.dim() > 1 else losses
+
+    # -- checkpoints and endings ---------------------------------------------------------
+
+    def _periodic_checkpoint(self) -> bool:
+        if self.checkpoints is None or not self.ctx.is_rank0:
+            return False
+        every_n, every_s = self.ctx.checkpoint_every_steps, self.ctx.checkpoint_every_s
+        due = (every_n is not None and self.state.step % every_n == 0) or (
+            every_s is not None and time.monotonic() - self._last_save >= every_s
+        )
+        if due:
+            self._save("periodic", blocking=False)
+        return due
+
+    def _save(self, reason: str, blocking: bool) -> None:
+        st = self.state
+        meta = {"reason": reason, "world_size": st.world_size, "loss": self.loss,
+                "lr": (st.lrs_used or self.base_lrs)[0], "run_id": self.ctx.run_id,
+                "restart_count": self.ctx.restart_count}
+        self.checkpoints.save(st.step, st.to_checkpoint(), blocking=blocking, metadata=meta)
+        self.saved_step = st.step
+        self._last_save = time.monotonic()
+        log.info("checkpoint saved" if blocking else "checkpoint started", step=st.step,
+                 reason=reason, blocking=blocking)
+
+    def _commit_final(self, reason: str) -> None:
+        """Rank 0 commits the current step (blocking) unless it is saved already."""
+        if self.checkpoints is None or not self.ctx.is_rank0:
+            return
+        if self.saved_step == self.state.step:
+            self.checkpoints.wait()  # it may still be writing in the background
+        else:
+            self._save(reason, blocking=True)
+
+    def _stop(self) -> int:
+        log.info("coordinated stop", step=self.state.step, reason=self.stop.reason or "a peer")
+        self._commit_final("stop")
+        # Nobody exits before rank 0 has committed: torchrun stops the whole group as
+        # soon as one worker exits non-zero.
+        tdist.barrier()
+        self._report("stopped", stop_reason=self.stop.reason or "peer")
+        return STOP_EXIT_CODE
+
+    def _finish(self) -> int:
+        self._commit_final("complete")
+        tdist.barrier()
+        self._report("completed")
+        return COMPLETE_EXIT_CODE
+
+    def _on_failure(self, exc: tdist.CollectiveError) -> int:
+        log.error("collective failed; exiting for a restart", step=self.state.step, error=str(exc))
+        if self.config.save_on_failure and self.state.step > max(self.saved_step, 0):
+            # The state is consistent at every point a collective can fail (see _step), so
+            # rank 0 can keep the steps done since the last periodic checkpoint.
+            with contextlib.suppress(Exception):
+                self._commit_final("failure")
+        return FAILURE_EXIT_CODE
+
+    def _report(self, event: str, **fields: Any) -> None:
+        st = self.state
+        lrs = st.lrs_used or self.base_lrs
+        self.progress.report(event, st.step, lr=lrs[0], loss=self.loss, lrs=lrs,
+                             epoch=st.sampler.epoch, global_batch=self.plan.global_batch, **fields)

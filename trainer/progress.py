@@ -1,0 +1,94 @@
+"""Progress reports: the ``ELASTICD_PROGRESS_FILE`` JSON and the matching structlog lines.
+
+Local rank 0 of each node atomically rewrites the progress file (temp file +
+rename, no fsync: it is a status, not a record) after every step; the daemon reads
+it for status and crash-loop detection, the benchmarks to time recovery (the
+``time`` of the first ``step`` after a ``resumed``). The same record is logged as a
+structlog line every ``log_every`` steps and on every other event.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from trainer.context import ElasticContext
+
+log = structlog.get_logger(__name__)
+
+EVENTS = ("step", "resumed", "checkpoint", "stopped", "completed")
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Replace ``path`` with ``text`` so that a reader sees the old or the new file, whole."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+class ProgressReporter:
+    """Writes progress records for this worker; a no-op on ranks other than local rank 0."""
+
+    def __init__(
+        self,
+        ctx: ElasticContext,
+        log_every: int = 10,
+        wall_clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ctx = ctx
+        self.enabled = ctx.is_local_rank0
+        self.path = ctx.progress_file if self.enabled else None
+        self.log_every = max(1, log_every)
+        self._wall = wall_clock
+        self._clock = clock
+        self._rate_mark: tuple[float, int] | None = None
+        self.steps_per_s = 0.0
+
+    def record(self, event: str, step: int, **fields: Any) -> dict[str, Any]:
+        """The progress record of ``event`` at ``step`` (the contract's keys first)."""
+        return {
+            "event": event,
+            "step": step,
+            "world_size": self.ctx.world_size,
+            "rank": self.ctx.rank,
+            "lr": fields.pop("lr", None),
+            "loss": fields.pop("loss", None),
+            "time": self._wall(),
+            "restart_count": self.ctx.restart_count,
+            "run_id": self.ctx.run_id,
+            "steps_per_s": round(self.steps_per_s, 3),
+            **fields,
+        }
+
+    def report(self, event: str, step: int, **fields: Any) -> None:
+        """Rewrite the progress file; log unless it is a ``step`` between log points."""
+        if event not in EVENTS:
+            raise ValueError(f"unknown progress event {event!r}; use one of {EVENTS}")
+        if not self.enabled:
+            return
+        if event in ("step", "checkpoint"):
+            self._update_rate(step)
+        rec = self.record(event, step, **fields)
+        if self.path:
+            write_atomic(self.path, json.dumps(rec))
+        if event != "step" or step % self.log_every == 0:
+            # structlog's message key is "event" too: the line's event is the progress event.
+            fields = {k: v for k, v in rec.items() if k != "event"}
+            log.info(event, kind="progress", **fields)
+
+    def _update_rate(self, step: int) -> None:
+        now = self._clock()
+        if self._rate_mark is not None:
+            then, then_step = self._rate_mark
+            if step - then_step >= self.log_every and now > then:
+                self.steps_per_s = (step - then_step) / (now - then)
+                self._rate_mark = (now, step)
+            return
+        self._rate_mark = (now, step)

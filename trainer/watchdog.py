@@ -1,0 +1,90 @@
+"""The orphan watchdog: a worker must not outlive its torchrun agent or the daemon.
+
+torchrun starts workers in their own sessions, so a SIGKILLed agent or daemon
+leaves them running (and holding the GPU, the port, the checkpoint directory).
+A daemon thread polls twice a second and ``os._exit``s the worker when
+
+* its parent (the torchrun agent) is gone: ``os.getppid()`` differs from its value
+  at start, because orphans are re-parented to init or to a subreaper; or
+* ``ELASTICD_DAEMON_PID`` is set and that process is gone (or a zombie).
+
+Works under plain torchrun too (the parent check needs no daemon).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+
+import structlog
+
+from trainer.exitcodes import ORPHAN_EXIT_CODE
+
+log = structlog.get_logger(__name__)
+
+
+def pid_alive(pid: int) -> bool:
+    """True when ``pid`` exists and is not a zombie (a dead but unreaped daemon)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # The state follows the parenthesised command name, which may hold spaces.
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+class OrphanWatchdog:
+    """Exit the process when its parent or the daemon dies; see the module docstring."""
+
+    def __init__(
+        self,
+        daemon_pid: int | None = None,
+        interval_s: float = 0.25,
+        exit_code: int = ORPHAN_EXIT_CODE,
+        getppid: Callable[[], int] = os.getppid,
+        is_alive: Callable[[int], bool] = pid_alive,
+        exit_fn: Callable[[int], object] = os._exit,
+    ) -> None:
+        self.daemon_pid = daemon_pid
+        self.interval_s = interval_s
+        self.exit_code = exit_code
+        self._getppid = getppid
+        self._is_alive = is_alive
+        self._exit = exit_fn
+        self.start_ppid = getppid()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def orphaned(self) -> str | None:
+        """Why this process is orphaned, or None while its parent and daemon live."""
+        ppid = self._getppid()
+        if ppid != self.start_ppid:
+            return f"parent {self.start_ppid} is gone (re-parented to {ppid})"
+        if self.daemon_pid is not None and not self._is_alive(self.daemon_pid):
+            return f"daemon {self.daemon_pid} is gone"
+        return None
+
+    def start(self) -> OrphanWatchdog:
+        """Start the polling thread (a daemon thread: it never blocks interpreter exit)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="orphan-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            reason = self.orphaned()
+            if reason:
+                log.error("orphaned worker exits", reason=reason, exit_code=self.exit_code)
+                self._exit(self.exit_code)
+                return
