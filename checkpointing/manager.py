@@ -72,6 +72,7 @@ class CheckpointManager:
         world_size: int | None = None,
         pin_memory: bool | None = None,
         stale_temp_seconds: float = 3600.0,
+        read_only: bool = False,
     ) -> None:
         """Open (creating if needed) `directory` and remove leftovers of crashed writers.
 
@@ -80,6 +81,7 @@ class CheckpointManager:
         snapshot buffers (default: when CUDA is available). stale_temp_seconds: age after
         which an unmodified temp file of a live or remote writer counts as abandoned.
         `storage` replaces the local directory (then `directory` is only a label).
+        read_only: for ranks that only load: no write probe, no cleanup, save() refused.
         Raises CheckpointConfigError for bad values, StorageError if not writable.
         """
         _check_config(keep_last, stale_temp_seconds)
@@ -90,10 +92,12 @@ class CheckpointManager:
         self._snapshotter = Snapshotter(pin_memory)
         self._job: _Job | None = None
         self._lock = threading.Lock()
-        self.storage.check_writable()
+        self.read_only = read_only
         policy = StalePolicy(max_age=stale_temp_seconds, me=layout.Owner.current())
         self._cleaner = Cleaner(self.storage, policy)
-        self._cleaner.remove_leftovers()
+        if not read_only:
+            self.storage.check_writable()
+            self._cleaner.remove_leftovers()
 
     # -- saving -----------------------------------------------------------------------
 
@@ -115,6 +119,11 @@ class CheckpointManager:
         manifest. Saving a step that exists replaces it atomically.
         """
         _check_step(step)
+        if self.read_only:
+            raise CheckpointConfigError(
+                f"save(step={step}) on a read_only manager of {self.directory}; only the "
+                "writer (rank 0) saves: create its manager without read_only=True"
+            )
         meta = validate_metadata(metadata)
         with self._lock:
             self._finish_job(raise_error=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from . import layout
+from . import _hooks, layout
 from .errors import CorruptCheckpointError, StorageError
 from .reader import read_manifest, step_dirs_newest_first
 from .storage import Storage
@@ -109,6 +109,7 @@ class Cleaner:
         try:
             self._storage.remove(f"{directory}/{layout.MANIFEST_NAME}")
             self._storage.sync_dir(directory)
+            _hooks.phase("retention.uncommitted", directory)
             for name in self._storage.listdir(directory):
                 self._storage.remove(f"{directory}/{name}")
             self._storage.remove_dir(directory)

@@ -16,6 +16,7 @@ import time
 import traceback
 
 import pytest
+import torch
 
 from checkpointing import CheckpointManager, _hooks
 
@@ -58,6 +59,9 @@ def _install_pause(fd: int, target: tuple[str, str, int] | None) -> None:
 
 def _child(directory: str, fd: int, target, seed: int) -> None:
     try:
+        # libgomp's thread pool does not survive fork: a parallel region in a forked child of
+        # a process that used one hangs forever. One intra-op thread avoids OpenMP entirely.
+        torch.set_num_threads(1)
         rng = random.Random(seed)
         _install_pause(fd, target)
         manager = CheckpointManager(directory, keep_last=2)
@@ -118,13 +122,21 @@ class _Child:
 
 
 def _check_after_kill(directory, attempted: set[int], committed: int) -> int:
-    manager = CheckpointManager(directory, keep_last=2)  # what a restarted trainer does
-    loaded = manager.load_latest()
+    # First as found after the crash (a reader does not clean), then as a restarted writer
+    # sees it after its start-up cleanup.
+    raw = CheckpointManager(directory, keep_last=2, read_only=True).load_latest()
+    _check_loaded(raw, attempted, committed)
+    loaded = CheckpointManager(directory, keep_last=2).load_latest()
+    _check_loaded(loaded, attempted, committed)
+    assert loaded.step == raw.step
+    return loaded.step
+
+
+def _check_loaded(loaded, attempted: set[int], committed: int) -> None:
     assert loaded is not None, "a committed checkpoint was lost"
     assert loaded.step >= committed, f"step {committed} was committed, loaded {loaded.step}"
     assert loaded.step in attempted, f"loaded step {loaded.step} that was never saved"
     assert_same(loaded.state, make_state(loaded.step, NUMEL))
-    return loaded.step
 
 
 def test_sigkill_at_random_instants_and_inside_each_phase(tmp_path):
