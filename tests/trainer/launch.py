@@ -1,0 +1,139 @@
+"""Test helpers: the example scripts under a real ``torchrun --standalone``, and their logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from elasticd import proctree
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "trainer" / "examples"
+
+
+@dataclass
+class Launch:
+    """One ``python -m torch.distributed.run --standalone`` of an example script."""
+
+    workdir: Path
+    name: str
+    nproc: int
+    args: list[str]
+    script: str = "mlp.py"
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"{self.name}.log"
+
+    @property
+    def progress_path(self) -> Path:
+        return self.workdir / f"{self.name}.progress.json"
+
+    def start(self) -> Launch:
+        env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONUNBUFFERED="1",
+                   OMP_NUM_THREADS="1", **self.env)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={self.nproc}", "--max-restarts=0", "--monitor-interval=0.1",
+               str(EXAMPLES / self.script), "--log-every=1",
+               f"--progress-file={self.progress_path}", *self.args]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return self
+
+    def run(self, timeout_s: float = 90) -> int:
+        """Start, wait for the exit, return the agent's exit code."""
+        self.start()
+        return self.wait(timeout_s)
+
+    def wait(self, timeout_s: float = 90) -> int:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            self.kill()
+            raise AssertionError(f"{self.name} did not exit in {timeout_s} s:\n{self.tail()}") from exc
+
+    def kill(self) -> None:
+        """SIGKILL the agent and every worker (they run in their own sessions)."""
+        if self.proc is not None:
+            proctree.kill_tree(self.proc.pid)
+            self.proc.wait()
+
+    def workers(self) -> list[psutil.Process]:
+        """The worker processes, ordered by RANK."""
+        assert self.proc is not None
+        found = [p for p in proctree.descendants(self.proc.pid) if _is_worker(p, self.script)]
+        return sorted(found, key=_rank_of)
+
+    def signal_worker(self, rank: int, sig: int = signal.SIGTERM) -> None:
+        worker = next(p for p in self.workers() if _rank_of(p) == rank)
+        worker.send_signal(sig)
+
+    def progress(self) -> dict | None:
+        try:
+            return json.loads(self.progress_path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def wait_step(self, step: int, timeout_s: float = 60) -> dict:
+        """Wait until the progress file reports ``step`` or later; return that record."""
+        def reached() -> bool:
+            rec = self.progress()
+            return rec is not None and rec["step"] >= step and rec["event"] != "resumed"
+        if not proctree.wait_for(reached, timeout_s):
+            raise AssertionError(f"{self.name} never reached step {step}:\n{self.tail()}")
+        return self.progress()  # type: ignore[return-value]
+
+    def events(self) -> list[dict]:
+        """Rank 0's progress lines from the log, in order."""
+        return progress_lines(self.log_path.read_text(errors="replace"))
+
+    def tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+
+def progress_lines(text: str) -> list[dict]:
+    out = []
+    for line in text.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("kind") == "progress" and rec.get("rank") == 0:
+            out.append(rec)
+    return out
+
+
+def _is_worker(proc: psutil.Process, script: str) -> bool:
+    try:
+        cmd = proc.cmdline()
+        return any(part.endswith(script) for part in cmd) and "torch.distributed.run" not in cmd
+    except psutil.Error:
+        return False
+
+
+def _rank_of(proc: psutil.Process) -> int:
+    try:
+        return int(proc.environ().get("RANK", "-1"))
+    except psutil.Error:
+        return -1
+
+
+def wait_gone(procs: list[psutil.Process], timeout_s: float) -> float:
+    """Seconds until every process in ``procs`` is gone; AssertionError after ``timeout_s``."""
+    start = time.monotonic()
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"still alive after {timeout_s} s: {[p.pid for p in alive]}"
+    return time.monotonic() - start
