@@ -1,0 +1,54 @@
+"""LocalStorage keeps the Storage contract: atomic publish, idempotent removal, errors
+translated into the package's exceptions."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from checkpointing import LocalStorage, Storage, StorageNotFoundError
+from checkpointing.layout import TEMP_PREFIX
+
+
+def test_local_storage_is_a_storage(tmp_path):
+    assert isinstance(LocalStorage(tmp_path), Storage)
+
+
+def test_write_is_invisible_until_commit_and_replaces_atomically(tmp_path):
+    storage = LocalStorage(tmp_path)
+    (tmp_path / "f").write_bytes(b"old")
+    with storage.open_write("f") as out:
+        out.write(b"new ")
+        out.write(memoryview(b"content"))
+        assert (tmp_path / "f").read_bytes() == b"old"
+        (temp,) = [n for n in os.listdir(tmp_path) if n.startswith(TEMP_PREFIX)]
+        out.commit()
+    assert (tmp_path / "f").read_bytes() == b"new content"
+    assert os.listdir(tmp_path) == ["f"]
+
+
+def test_leaving_without_commit_discards(tmp_path):
+    storage = LocalStorage(tmp_path)
+    with pytest.raises(RuntimeError), storage.open_write("f") as out:
+        out.write(b"partial")
+        raise RuntimeError("writer crashed")
+    assert os.listdir(tmp_path) == []
+
+
+def test_idempotent_operations(tmp_path):
+    storage = LocalStorage(tmp_path)
+    storage.remove("missing")
+    storage.remove_dir("missing")
+    storage.make_dir("d")
+    storage.make_dir("d")
+    assert storage.is_dir("d") and storage.listdir("nowhere") == []
+
+
+def test_errors_are_translated(tmp_path):
+    storage = LocalStorage(tmp_path)
+    with pytest.raises(StorageNotFoundError) as info:
+        storage.open_write("no/such/dir/f")
+    assert info.value.errno == 2 and "no/such/dir/f" in str(info.value)
+    with pytest.raises(StorageNotFoundError):
+        storage.size("missing")
