@@ -27,7 +27,7 @@ def main() -> int:
         dist.all_reduce(value)
         ok = value.item() == world * (world + 1) / 2
         with open(report, "a") as fh:
-            fh.write(json.dumps({"rank": rank, "world": world, "step": step, "ok": ok,
+            fh.write(json.dumps({"rank": rank, "world": world, "step": step, "ok": ok, "pid": os.getpid(),
                                  "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
                                  "t": time.time()}) + "\n")
         step += 1
