@@ -38,15 +38,17 @@ def _default_world_size() -> int:
 class _Job:
     """One background task; remembers its exception for the training thread to raise."""
 
-    def __init__(self, name: str, work: Callable[[], None]) -> None:
+    def __init__(self, name: str, work: Callable[[], None], nice: int | None) -> None:
         self.error: BaseException | None = None
         self._work = work
+        self._nice = nice
         # Not a daemon: interpreter exit waits for an in-flight write instead of dropping it.
         self._thread = threading.Thread(target=self._run, name=name, daemon=False)
         self._thread.start()
 
     def _run(self) -> None:
         try:
+            _lower_priority(self._nice)
             self._work()
         except BaseException as exc:  # handed to the training thread by join()
             self.error = exc
@@ -54,6 +56,20 @@ class _Job:
     def join(self) -> BaseException | None:
         self._thread.join()
         return self.error
+
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+
+def _lower_priority(nice: int | None) -> None:
+    """Make the calling thread yield the CPU to training (Linux: niceness is per thread)."""
+    if nice is None or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
+    except OSError as exc:
+        log.debug("writer_priority_unchanged", error=str(exc))
 
 
 class CheckpointManager:
@@ -73,6 +89,7 @@ class CheckpointManager:
         pin_memory: bool | None = None,
         stale_temp_seconds: float = 3600.0,
         read_only: bool = False,
+        writer_nice: int | None = 10,
     ) -> None:
         """Open (creating if needed) `directory` and remove leftovers of crashed writers.
 
@@ -89,6 +106,7 @@ class CheckpointManager:
         self.directory = os.fspath(directory)
         self.storage: Storage = storage if storage is not None else LocalStorage(directory)
         self._world_size = world_size
+        self._writer_nice = writer_nice
         self._snapshotter = Snapshotter(pin_memory)
         self._job: _Job | None = None
         self._lock = threading.Lock()
@@ -136,6 +154,12 @@ class CheckpointManager:
             self._start_job(f"checkpoint-write-{step}", lambda: self._write_and_retain(
                 step, tree, world_size, meta))
 
+    @property
+    def writing(self) -> bool:
+        """True while a background save (its write or its retention) is still running."""
+        job = self._job
+        return job is not None and job.running()
+
     def wait(self) -> None:
         """Block until the in-flight save is committed; raise its error if it failed."""
         with self._lock:
@@ -171,7 +195,7 @@ class CheckpointManager:
         self._cleaner.run(self.keep_last, protect=(step,))
 
     def _start_job(self, name: str, work: Callable[[], None]) -> None:
-        self._job = _Job(name, work)
+        self._job = _Job(name, work, self._writer_nice)
 
     def _finish_job(self, *, raise_error: bool) -> None:
         job = self._job
