@@ -252,6 +252,13 @@ class EtcdClient:
     def get_prefix(self, prefix: str) -> list[KeyValue]:
         return [_kv(v, m) for v, m in self._call(lambda c: list(c.get_prefix(prefix)))]
 
+    def list_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        """Keys under ``prefix`` and the revision they were read at (to watch from)."""
+        response = self._call(lambda c: c.get_prefix_response(prefix))
+        kvs = [KeyValue(kv.key.decode(), kv.value, kv.mod_revision, kv.create_revision, kv.lease)
+               for kv in response.kvs]
+        return kvs, int(response.header.revision)
+
     def get_many(self, keys: list[str]) -> tuple[dict[str, KeyValue], int]:
         """The given keys (absent ones omitted) read atomically, and the revision read at."""
         def op(c: Any) -> tuple[dict[str, KeyValue], int]:
@@ -321,6 +328,10 @@ class EtcdClient:
         """Keep the lease alive; returns its remaining TTL, 0 if it no longer exists."""
         responses = self._call(lambda c: list(c.refresh_lease(lease_id)))
         return max((int(r.TTL) for r in responses), default=0)
+
+    def lease_ttl(self, lease_id: int) -> int:
+        """Seconds left on a lease (-1 if it does not exist)."""
+        return int(self._call(lambda c: c.get_lease_info(lease_id)).TTL)
 
     def revoke_lease(self, lease_id: int) -> None:
         try:

@@ -1,0 +1,3 @@
+from elasticd.cli import main
+
+main()

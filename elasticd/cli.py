@@ -1,0 +1,58 @@
+"""The ``elasticd`` command line: run the daemon, show status, drain a node, demo."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from elasticd.errors import ConfigError, ElasticdError
+
+
+def _load(path: str):
+    from elasticd.config import load_config
+
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@click.group()
+@click.version_option(package_name="elasticd")
+def main() -> None:
+    """elasticd: keeps torchrun elastic training alive on preemptible nodes."""
+
+
+@main.command()
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
+              help="TOML config file (see deploy/config/).")
+@click.option("--log-level", default="info", show_default=True)
+def run(config_path: str, log_level: str) -> None:
+    """Run the node daemon until the job completes or the node is drained."""
+    from elasticd.daemon import Daemon
+    from elasticd.logs import configure_logging
+
+    configure_logging(log_level)
+    config = _load(config_path)
+    try:
+        code = Daemon(config).run()
+    except ElasticdError as exc:
+        raise click.ClickException(str(exc)) from None
+    sys.exit(code)
+
+
+@main.command()
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--events", default=10, show_default=True, help="How many recent events to show.")
+def status(config_path: str, as_json: bool, events: int) -> None:
+    """Job state, nodes, world size and round, newest checkpoint, recent events."""
+    from elasticd.status import format_status, read_status
+
+    try:
+        result = read_status(_load(config_path), events)
+    except ElasticdError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(json.dumps(result, indent=2) if as_json else format_status(result))

@@ -1,0 +1,296 @@
+"""The daemon's configuration: one TOML file, validated whole at start.
+
+Every section is a frozen dataclass whose ``__post_init__`` checks its own
+values; ``load_config`` checks that no key is unknown and then the timing rules
+that span sections. Every error names the key, the value and the fix.
+
+Per-node values and secrets can come from the environment instead of the file
+(``ENV_OVERRIDES``), so one config file can be shared by every node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elasticd.errors import ConfigError
+from elasticd.etcd_client import EtcdSettings, parse_endpoint
+from elasticd.preemption import PreemptionConfig
+from elasticd.rendezvous.keys import check_job_id
+
+LR_RULES = ("linear", "sqrt", "none")
+
+
+def _require(ok: bool, key: str, value: Any, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key} = {value!r} is not valid: {fix}")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    id: str
+    entrypoint: tuple[str, ...]
+    min_nodes: int = 1
+    max_nodes: int = 1
+    nproc_per_node: int | str = 1
+    python: str | None = None   # interpreter for torchrun; default: the daemon's own
+
+    def __post_init__(self) -> None:
+        check_job_id(self.id)
+        _require(bool(self.entrypoint) and all(isinstance(a, str) for a in self.entrypoint),
+                 "job.entrypoint", self.entrypoint,
+                 'give the training script then its arguments, e.g. ["train.py", "--max-steps", "100"]')
+        _require(isinstance(self.min_nodes, int) and self.min_nodes >= 1, "job.min_nodes",
+                 self.min_nodes, "use a whole number >= 1")
+        _require(isinstance(self.max_nodes, int) and self.max_nodes >= self.min_nodes,
+                 "job.max_nodes", self.max_nodes, f"use a whole number >= job.min_nodes ({self.min_nodes})")
+        ok = self.nproc_per_node == "auto" or (isinstance(self.nproc_per_node, int)
+                                               and self.nproc_per_node >= 1)
+        _require(ok, "job.nproc_per_node", self.nproc_per_node, 'use a whole number >= 1 or "auto"')
+
+    def resolved_nproc(self) -> int:
+        """``auto``: one worker per GPU if CUDA is present, else one."""
+        if self.nproc_per_node != "auto":
+            return int(self.nproc_per_node)
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+@dataclass(frozen=True)
+class EtcdConfig:
+    endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    timeout_s: float = 5.0
+    key_prefix: str = "/elasticd"
+
+    def __post_init__(self) -> None:
+        self.settings()  # the adapter validates endpoints, TLS files and auth
+
+    def settings(self, retry_s: float = 10.0) -> EtcdSettings:
+        return EtcdSettings(self.endpoints, self.ca_cert, self.cert, self.key, self.user,
+                            self.password, self.timeout_s, retry_s)
+
+    def rdzv_endpoint(self) -> str:
+        return ",".join("{}:{}".format(*parse_endpoint(e)) for e in self.endpoints)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    id: str = field(default_factory=lambda: socket.gethostname().split(".")[0].lower())
+    addr: str = "127.0.0.1"
+    lease_ttl_s: int = 5
+    probe_interval_s: float = 0.5
+    log_dir: str | None = None
+    run_dir: str | None = None   # progress and stop files; default: a temp dir per daemon
+
+    def __post_init__(self) -> None:
+        check_job_id(self.id)  # same alphabet: it becomes an etcd key
+        _require(isinstance(self.lease_ttl_s, int) and self.lease_ttl_s >= 2, "node.lease_ttl_s",
+                 self.lease_ttl_s, "use whole seconds >= 2 (the keep-alive runs 3 times per TTL)")
+        _require(0 < self.probe_interval_s <= 10, "node.probe_interval_s", self.probe_interval_s,
+                 "use seconds in (0, 10]")
+
+
+@dataclass(frozen=True)
+class RendezvousConfig:
+    last_call_timeout: int = 1
+    join_timeout: int = 600
+    keep_alive_interval: int = 1
+    keep_alive_max_attempt: int = 5
+    close_timeout: int = 30
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            _require(isinstance(value, int) and value >= 1, f"rendezvous.{f.name}", value,
+                     "torch takes whole seconds >= 1")
+        product = self.keep_alive_interval * self.keep_alive_max_attempt
+        _require(product >= 3, "rendezvous.keep_alive_max_attempt", self.keep_alive_max_attempt,
+                 "keep_alive_interval x keep_alive_max_attempt below 3 s evicts live nodes "
+                 "(measured split brain); raise it")
+
+    def conf_string(self) -> str:
+        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = "/var/lib/elasticd/checkpoints"
+    every_steps: int = 100
+    every_s: float = 0.0
+    keep_last: int = 3
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.every_steps, int) and self.every_steps >= 0, "checkpoint.every_steps",
+                 self.every_steps, "use a whole number >= 0 (0 = only by time)")
+        _require(self.every_s >= 0, "checkpoint.every_s", self.every_s,
+                 "use seconds >= 0 (0 = only by steps)")
+        _require(isinstance(self.keep_last, int) and self.keep_last >= 2, "checkpoint.keep_last",
+                 self.keep_last, "keep at least 2, so a crash during a save leaves a valid older one")
+
+
+@dataclass(frozen=True)
+class LrConfig:
+    rule: str = "linear"
+    base_world_size: int = 1
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.rule in LR_RULES, "lr.rule", self.rule, f"use one of {', '.join(LR_RULES)}")
+        _require(isinstance(self.base_world_size, int) and self.base_world_size >= 1,
+                 "lr.base_world_size", self.base_world_size, "use a whole number >= 1")
+        _require(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "lr.warmup_steps",
+                 self.warmup_steps, "use a whole number >= 0")
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    worker_restarts: int = 10          # torchrun --max-restarts per agent life
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 60.0
+    crash_loop_failures: int = 5       # this many agent failures without progress ...
+    crash_loop_window_s: float = 600.0  # ... within this window mark the node failed
+    drain_grace_s: float = 60.0
+    monitor_interval_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        _require(self.worker_restarts >= 0, "supervisor.worker_restarts", self.worker_restarts,
+                 "use a whole number >= 0")
+        _require(0 < self.backoff_initial_s <= self.backoff_max_s, "supervisor.backoff_initial_s",
+                 self.backoff_initial_s, "use seconds > 0 and <= supervisor.backoff_max_s")
+        _require(self.crash_loop_failures >= 1, "supervisor.crash_loop_failures",
+                 self.crash_loop_failures, "use a whole number >= 1")
+        _require(self.crash_loop_window_s > 0, "supervisor.crash_loop_window_s",
+                 self.crash_loop_window_s, "use seconds > 0")
+        _require(self.drain_grace_s > 0, "supervisor.drain_grace_s", self.drain_grace_s, "use seconds > 0")
+        _require(0 < self.monitor_interval_s <= 5, "supervisor.monitor_interval_s",
+                 self.monitor_interval_s, "use seconds in (0, 5]")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    port: int = 0                      # 0 = no metrics endpoint
+    addr: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port < 65536, "metrics.port", self.port, "use 0 (off) or a TCP port")
+
+
+@dataclass(frozen=True)
+class Config:
+    job: JobConfig
+    etcd: EtcdConfig = field(default_factory=EtcdConfig)
+    node: NodeConfig = field(default_factory=NodeConfig)
+    rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    lr: LrConfig = field(default_factory=LrConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    source: str = "<dict>"
+
+    def __post_init__(self) -> None:
+        _check_timing(self)
+
+
+def _check_timing(config: Config) -> None:
+    rdzv, node = config.rendezvous, config.node
+    evict_s = rdzv.keep_alive_interval * rdzv.keep_alive_max_attempt
+    # The daemon evicts a dead peer from the rendezvous when its lease expires; torch's
+    # own keep-alive eviction must not fire first on a node that is merely slow.
+    _require(evict_s >= 3, "rendezvous.keep_alive_interval", rdzv.keep_alive_interval,
+             "keep-alive eviction must be >= 3 s")
+    _require(node.probe_interval_s < node.lease_ttl_s, "node.probe_interval_s", node.probe_interval_s,
+             f"probe more often than the lease TTL ({node.lease_ttl_s} s)")
+    _require(config.supervisor.drain_grace_s > rdzv.last_call_timeout, "supervisor.drain_grace_s",
+             config.supervisor.drain_grace_s, "the drain grace must exceed rendezvous.last_call_timeout")
+
+
+# Environment variables that override one key each (per-node values and secrets).
+ENV_OVERRIDES: dict[str, tuple[str, str]] = {
+    "ELASTICD_JOB_ID": ("job", "id"),
+    "ELASTICD_NODE_ID": ("node", "id"),
+    "ELASTICD_NODE_ADDR": ("node", "addr"),
+    "ELASTICD_ETCD_ENDPOINTS": ("etcd", "endpoints"),
+    "ELASTICD_ETCD_USER": ("etcd", "user"),
+    "ELASTICD_ETCD_PASSWORD": ("etcd", "password"),
+    "ELASTICD_CHECKPOINT_DIR": ("checkpoint", "dir"),
+}
+
+_SECTIONS: dict[str, type] = {
+    "job": JobConfig, "etcd": EtcdConfig, "node": NodeConfig, "rendezvous": RendezvousConfig,
+    "checkpoint": CheckpointConfig, "lr": LrConfig, "supervisor": SupervisorConfig,
+    "preemption": PreemptionConfig, "metrics": MetricsConfig,
+}
+# Sections that hot-reload on SIGHUP without restarting anything.
+RELOADABLE = ("checkpoint", "lr", "supervisor", "metrics")
+
+
+def load_config(path: str | os.PathLike[str], env: dict[str, str] | None = None) -> Config:
+    """Read, override from ``env`` (default ``os.environ``) and validate a TOML config."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist; pass --config PATH") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    return config_from_dict(raw, env if env is not None else dict(os.environ), source=str(path))
+
+
+def config_from_dict(raw: dict[str, Any], env: dict[str, str] | None = None,
+                     source: str = "<dict>") -> Config:
+    raw = _apply_env(_copy_sections(raw), env or {})
+    unknown = sorted(set(raw) - set(_SECTIONS))
+    if unknown:
+        raise ConfigError(f"{source}: unknown section(s) {unknown}; known: {sorted(_SECTIONS)}")
+    if "job" not in raw:
+        raise ConfigError(f"{source}: the [job] section is required (id and entrypoint at least)")
+    sections = {name: _build(name, _SECTIONS[name], values) for name, values in raw.items()}
+    try:
+        return Config(**sections, source=source)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def _copy_sections(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name, values in raw.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"top-level key {name!r} must be a [section] table")
+        out[name] = dict(values)
+    return out
+
+
+def _apply_env(raw: dict[str, dict[str, Any]], env: dict[str, str]) -> dict[str, dict[str, Any]]:
+    for var, (section, key) in ENV_OVERRIDES.items():
+        if var in env and env[var] != "":
+            value: Any = env[var]
+            if key == "endpoints":
+                value = [e.strip() for e in value.split(",") if e.strip()]
+            raw.setdefault(section, {})[key] = value
+    return raw
+
+
+def _build(section: str, cls: type, values: dict[str, Any]) -> Any:
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f"[{section}] has unknown key(s) {unknown}; known: {sorted(known)}")
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"[{section}] is incomplete: {exc}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"[{section}] {exc}") from None

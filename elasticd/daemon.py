@@ -1,0 +1,381 @@
+"""The node daemon's loop: read one snapshot, decide (supervisor.decide), act, log.
+
+Each cycle logs at most one sentence, the decision's reason, with the job,
+node, round, world size and action bound; tests assert on those sentences.
+The loop never waits on etcd for long: every etcd call on it fails fast and is
+retried by a later cycle, so an etcd outage delays membership changes only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from elasticd import __version__, proctree
+from elasticd.agent import AgentProcess, RunFiles, torchrun_command, worker_env
+from elasticd.config import Config
+from elasticd.errors import EtcdError
+from elasticd.etcd_client import EtcdClient, no_retry
+from elasticd.journal import Journal
+from elasticd.membership import Membership, Peer
+from elasticd.probe import Liveness, Prober, ProbeServer, probe
+from elasticd.rendezvous import admin
+from elasticd.rendezvous.keys import JobKeys
+from elasticd.sdnotify import SystemdNotifier, WatchdogGate
+from elasticd.supervisor import Action, Decision, Phase, Policy, View, decide
+
+log = structlog.get_logger("elasticd.daemon")
+
+TICK_S = 0.05
+JOB_STATE_EVERY_S = 1.0
+CHECKPOINT_EVERY_S = 2.0
+CONFIRM_TIMEOUT_S = 0.5
+
+
+class Daemon:
+    def __init__(self, config: Config, *, clock=time.monotonic,
+                 notifier: SystemdNotifier | None = None) -> None:
+        self.config = config
+        self.clock = clock
+        self.keys = JobKeys(config.job.id, config.etcd.key_prefix)
+        self.node_id = config.node.id
+        run_dir = config.node.run_dir or tempfile.mkdtemp(prefix=f"elasticd-{self.node_id}-")
+        self.files = RunFiles(Path(run_dir))
+        self.files.run_dir.mkdir(parents=True, exist_ok=True)
+        sup = config.supervisor
+        self.policy = Policy(sup.backoff_initial_s, sup.backoff_max_s, sup.crash_loop_failures,
+                             sup.crash_loop_window_s)
+        self.notifier = notifier or SystemdNotifier()
+        self.watchdog = WatchdogGate.for_notifier(self.notifier, clock=clock)
+        self._pinged_at = float("-inf")
+        self.phase = Phase.IDLE
+        self.agent: AgentProcess | None = None
+        self._exit_seen = False
+        self.failures: list[float] = []
+        self.restart_at = 0.0
+        self.drain_reason: str | None = None
+        self.hard_stop = False
+        self.dead: dict[str, Peer] = {}
+        self.job_state: str | None = None
+        self.completed_seen_at: float | None = None
+        self._job_state_read_at = float("-inf")
+        self.progress: dict[str, Any] = {}
+        self._progress_mtime = 0.0
+        self._step_at_start: int | None = None
+        self._last_reason = ""
+        self._checkpoint_read_at = float("-inf")
+        self._published_step: int | None = None
+        self._ready_sent = False
+        self._terminator: threading.Thread | None = None
+        self.log = log.bind(job=config.job.id, node=self.node_id)
+
+    # -- life cycle --------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Run until the job completes, the node fails, or a drain finishes; the exit code."""
+        proctree.become_subreaper()
+        self._install_signals()
+        self._connect()
+        try:
+            while not self.phase.final and not self.hard_stop:
+                self.cycle()
+                time.sleep(TICK_S)
+        finally:
+            self._shutdown()
+        return 1 if self.phase is Phase.FAILED or self.hard_stop else 0
+
+    def _connect(self) -> None:
+        self.client = EtcdClient(self.config.etcd.settings(retry_s=30.0))
+        self.probe_server = ProbeServer(self.config.node.addr).start()
+        self.membership = Membership(self.client, self.keys, self.node_id,
+                                     self.config.node.lease_ttl_s, self._initial_record(),
+                                     clock=self.clock)
+        self.membership.register()
+        self.journal = Journal(self.client, self.keys, self.node_id)
+        self.journal.record("node-joined")
+        self.prober = Prober(self.membership.peers, self.config.node.probe_interval_s).start()
+        self.log.info("registered in etcd; watching peers", probe=self.probe_server.endpoint,
+                      run_dir=str(self.files.run_dir))
+
+    def _initial_record(self) -> dict[str, Any]:
+        return {"host": socket.gethostname(), "addr": self.config.node.addr,
+                "daemon_pid": os.getpid(), "probe": self.probe_server.endpoint,
+                "version": __version__, "state": "starting", "devices": _devices()}
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        signal.signal(signal.SIGTERM, self._on_stop_signal)
+        signal.signal(signal.SIGINT, self._on_stop_signal)
+
+    def _on_stop_signal(self, signum: int, _frame: Any) -> None:
+        if self.drain_reason is None:
+            self.drain_reason = f"{signal.Signals(signum).name} was received"
+        else:
+            self.hard_stop = True  # a second signal: stop now
+
+    def request_drain(self, reason: str) -> None:
+        if self.drain_reason is None:
+            self.drain_reason = reason
+
+    # -- one cycle ---------------------------------------------------------------------
+
+    def cycle(self) -> Decision:
+        self.membership.poll()
+        self._read_job_state()
+        self._read_progress()
+        self._confirm_dead_peers()
+        view = self._view()
+        decision = decide(view, self.policy)
+        if view.agent_exit is not None:
+            self._exit_seen = True
+        self._act(decision)
+        self.phase = decision.phase
+        self._log_decision(decision)
+        self._ping_watchdog()
+        return decision
+
+    def _ping_watchdog(self) -> None:
+        """WATCHDOG=1 from the main loop only, so a hung loop gets restarted by systemd."""
+        if self.watchdog is None:
+            return
+        self.watchdog.beat()
+        if self.clock() - self._pinged_at >= self.watchdog.interval_s / 4:
+            self._pinged_at = self.clock()
+            self.watchdog.maybe_ping(self.notifier)
+
+    def _view(self) -> View:
+        agent_exit = None
+        if self.agent is not None and not self._exit_seen:
+            agent_exit = self.agent.exit_code()
+        return View(
+            now=self.clock(), phase=self.phase,
+            agent_running=self.agent is not None and self.agent.running(),
+            agent_exit=agent_exit, job_state=self.job_state,
+            completed_seen_at=self.completed_seen_at, restart_at=self.restart_at,
+            failures=tuple(self.failures), dead_peers=tuple(sorted(self.dead)),
+            drain_reason=self.drain_reason,
+        )
+
+    def _log_decision(self, decision: Decision) -> None:
+        if decision.action is Action.NONE and decision.reason == self._last_reason:
+            return
+        self._last_reason = decision.reason
+        self.log.info(decision.reason, action=decision.action.value, phase=decision.phase.value,
+                      round=self.progress.get("round"), world_size=self.progress.get("world_size"),
+                      step=self.progress.get("step"))
+
+    # -- reading the world -------------------------------------------------------------
+
+    def _read_job_state(self) -> None:
+        now = self.clock()
+        if now - self._job_state_read_at < JOB_STATE_EVERY_S:
+            return
+        self._job_state_read_at = now
+        try:
+            with no_retry():
+                kv = self.client.get(self.keys.state)
+        except EtcdError:
+            return
+        self.job_state = json.loads(kv.value).get("state") if kv else None
+        if self.job_state == "completed" and self.completed_seen_at is None:
+            self.completed_seen_at = now
+
+    def _read_progress(self) -> None:
+        try:
+            mtime = self.files.progress.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if mtime == self._progress_mtime:
+            return
+        self._progress_mtime = mtime
+        try:
+            self.progress = json.loads(self.files.progress.read_text())
+        except (OSError, ValueError):
+            return  # caught mid-replace; the next cycle reads it
+        step = self.progress.get("step")
+        if self._step_at_start is None:
+            self._step_at_start = step
+        elif step is not None and step > self._step_at_start and self.failures:
+            self.failures.clear()  # progress ends a crash loop
+        self._publish_progress()
+
+    def _publish_progress(self) -> None:
+        self.notifier.status(self._status_line())
+        now = self.clock()
+        if now - self._checkpoint_read_at >= CHECKPOINT_EVERY_S or self.progress.get("event") in (
+                "checkpoint", "stopped", "completed"):
+            self._checkpoint_read_at = now
+            self._publish_checkpoint()
+
+    def _publish_checkpoint(self) -> None:
+        """Hint /checkpoint/latest: the newest committed step in the (shared) checkpoint dir."""
+        step = newest_committed_step(self.config.checkpoint.dir)
+        if step is None or step == self._published_step:
+            return
+        self._published_step = step
+        self._put_best_effort(self.keys.checkpoint_latest, {
+            "step": step, "node": self.node_id, "dir": self.config.checkpoint.dir, "time": time.time()})
+
+    def _status_line(self) -> str:
+        p = self.progress
+        return (f"{self.phase.value}: step {p.get('step', '-')}, world size "
+                f"{p.get('world_size', '-')}, restarts {p.get('restart_count', '-')}")
+
+    def _confirm_dead_peers(self) -> None:
+        for peer in self.prober.take_refused():
+            # Delete its key (fenced) so every daemon acts on the same etcd event.
+            if self.membership.delete_peer(peer):
+                self.log.info("peer refused its liveness probe; deleted its record", peer=peer.node_id)
+        for peer in self.membership.take_departed():
+            if self._is_dead(peer):
+                self.dead[peer.node_id] = peer
+
+    def _is_dead(self, peer: Peer) -> bool:
+        if peer.state in ("leaving", "completed", "failed"):
+            return True
+        endpoint = peer.record.get("probe")
+        liveness = probe(endpoint, CONFIRM_TIMEOUT_S) if endpoint else Liveness.REFUSED
+        if liveness is Liveness.ALIVE:
+            self.log.info("peer record vanished but the peer answers; waiting for it to re-register",
+                          peer=peer.node_id)
+            return False
+        return True
+
+    # -- acting ------------------------------------------------------------------------
+
+    def _act(self, decision: Decision) -> None:
+        handler = getattr(self, f"_do_{decision.action.value}", None)
+        if handler is not None:
+            handler(decision)
+
+    def _do_start_agent(self, decision: Decision) -> None:
+        self.files.stop.unlink(missing_ok=True)
+        command = torchrun_command(self.config, self.config.job.resolved_nproc())
+        self.agent = AgentProcess(command, worker_env(self.config, self.files), self.files.agent_log,
+                                  clock=self.clock)
+        pid = self.agent.start()
+        self._exit_seen = False
+        self._step_at_start = self.progress.get("step")
+        self.membership.update(state="running", agent_pid=pid)
+        self.journal.record("agent-started", agent_pid=pid)
+        if not self._ready_sent:
+            self.notifier.ready()
+            self._ready_sent = True
+
+    def _do_evict_peers(self, decision: Decision) -> None:
+        peers = [self.dead.pop(name) for name in decision.peers if name in self.dead]
+        agents = {p.agent for p in peers if p.agent}
+        try:
+            removal = admin.evict_agents(self.client, self.keys, agents, self.config.job.min_nodes)
+        except EtcdError as exc:
+            self.log.warning("could not evict peers from the rendezvous; torch's keep-alive will",
+                             reason=str(exc))
+            removal = None
+        was_running = any(p.state == "running" for p in peers)
+        in_round = removal.in_round if removal and removal.removed else was_running
+        killed = self.agent.kill_workers() if in_round and self.agent else 0
+        for peer in peers:
+            self.journal.record("peer-lost", peer=peer.node_id, killed_workers=killed)
+        self.log.info("evicted lost peers", peers=[p.node_id for p in peers],
+                      removed=list(removal.removed) if removal else [], killed_workers=killed)
+
+    def _do_backoff(self, decision: Decision) -> None:
+        self.failures.append(self.clock())
+        self.restart_at = self.clock() + decision.delay_s
+        self.membership.update(state="backoff", agent_pid=None)
+        self.journal.record("agent-failed", exit_code=self.agent.exit_code() if self.agent else None)
+
+    def _do_mark_failed(self, decision: Decision) -> None:
+        self.membership.update(state="failed", reason=decision.reason, agent_pid=None)
+        self.journal.record("node-failed", reason=decision.reason)
+
+    def _do_record_completed(self, decision: Decision) -> None:
+        self._publish_checkpoint()
+        self._put_best_effort(self.keys.state, {"state": "completed", "node": self.node_id,
+                                                "time": time.time()})
+        self.membership.update(state="completed", agent_pid=None)
+        self.journal.record("job-completed", step=self.progress.get("step"))
+
+    def _do_stop_completed(self, decision: Decision) -> None:
+        self.agent.terminate(grace_s=10)
+
+    def _do_drain(self, decision: Decision) -> None:
+        self.membership.update(state="leaving")
+        self.journal.record("node-draining", reason=self.drain_reason)
+        self.notifier.stopping()
+        self.files.stop.touch()
+        if self.agent is not None and self.agent.running():
+            grace = self.config.supervisor.drain_grace_s
+            self._terminator = threading.Thread(target=self.agent.terminate, args=(grace,),
+                                                name="elasticd-drain", daemon=True)
+            self._terminator.start()
+
+    def _do_finish_drain(self, decision: Decision) -> None:
+        self._leave_rendezvous()
+        self.journal.record("node-left", step=self.progress.get("step"))
+
+    def _leave_rendezvous(self) -> None:
+        if self.agent is None or self.agent.pid is None:
+            return
+        try:
+            admin.evict_agents(self.client, self.keys, {(self.config.node.addr, self.agent.pid)},
+                               self.config.job.min_nodes)
+        except EtcdError as exc:
+            self.log.warning("could not leave the rendezvous; peers evict us by keep-alive",
+                             reason=str(exc))
+
+    def _put_best_effort(self, key: str, value: dict[str, Any]) -> None:
+        try:
+            with no_retry():
+                self.client.put(key, json.dumps(value).encode())
+        except EtcdError as exc:
+            self.log.warning("etcd write dropped", key=key, reason=str(exc))
+
+    # -- shutdown ----------------------------------------------------------------------
+
+    def _shutdown(self) -> None:
+        grace = 0.0 if self.hard_stop else 5.0
+        if self.agent is not None and self.agent.running():
+            self.agent.terminate(grace_s=grace)
+            self._leave_rendezvous()
+        left = proctree.kill_processes(proctree.descendants())
+        if left:
+            self.log.error("processes survived the daemon's shutdown", pids=[p.pid for p in left])
+        self.prober.stop()
+        self.probe_server.stop()
+        self.membership.leave()
+        self.client.close()
+        self.log.info("daemon stopped", phase=self.phase.value, hard=self.hard_stop)
+
+
+def newest_committed_step(directory: str) -> int | None:
+    """The newest committed checkpoint's step (manifests only, no tensors), or None."""
+    from checkpointing import CheckpointError, CheckpointManager
+
+    if not os.path.isdir(directory):
+        return None
+    try:
+        return CheckpointManager(directory, read_only=True).latest_step()
+    except CheckpointError:
+        return None
+
+
+def _devices() -> list[str]:
+    """GPU names if torch sees CUDA here; never imports torch just to find out."""
+    if "torch" not in __import__("sys").modules:
+        return []
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]

@@ -1,0 +1,75 @@
+"""Config validation: every error names the key, the value and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from elasticd.config import config_from_dict, load_config
+from elasticd.errors import ConfigError
+
+BASE = {"job": {"id": "demo", "entrypoint": ["train.py"], "min_nodes": 1, "max_nodes": 3}}
+
+
+def cfg(**sections):
+    raw = {k: dict(v) for k, v in BASE.items()}
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return config_from_dict(raw)
+
+
+def test_minimal_config_has_sane_defaults():
+    c = cfg()
+    assert c.node.lease_ttl_s == 5
+    assert c.rendezvous.last_call_timeout == 1
+    assert c.etcd.endpoints == ("127.0.0.1:2379",)
+    assert c.checkpoint.keep_last == 3
+
+
+@pytest.mark.parametrize("sections, message", [
+    ({"job": {"id": "Bad Id"}}, "job id 'Bad Id' is not valid"),
+    ({"job": {"entrypoint": []}}, "job.entrypoint"),
+    ({"job": {"min_nodes": 0}}, "job.min_nodes = 0 is not valid"),
+    ({"job": {"max_nodes": 0}}, "job.max_nodes = 0 is not valid: use a whole number >= job.min_nodes"),
+    ({"job": {"nproc_per_node": "many"}}, 'use a whole number >= 1 or "auto"'),
+    ({"node": {"lease_ttl_s": 1}}, "node.lease_ttl_s = 1 is not valid"),
+    ({"node": {"lease_ttl_s": 2, "probe_interval_s": 3}}, "node.probe_interval_s"),
+    ({"rendezvous": {"keep_alive_interval": 1, "keep_alive_max_attempt": 2}}, "split brain"),
+    ({"rendezvous": {"last_call_timeout": 0}}, "rendezvous.last_call_timeout = 0"),
+    ({"checkpoint": {"keep_last": 1}}, "keep at least 2"),
+    ({"lr": {"rule": "cubic"}}, "use one of linear, sqrt, none"),
+    ({"etcd": {"endpoints": ["host:notaport"]}}, "bad port"),
+    ({"etcd": {"user": "root"}}, "both user and password"),
+    ({"etcd": {"ca_cert": "/nonexistent.pem"}}, "no such file"),
+    ({"supervisor": {"backoff_initial_s": 100, "backoff_max_s": 10}}, "supervisor.backoff_initial_s"),
+    ({"job": {"colour": "red"}}, "[job] has unknown key(s) ['colour']"),
+    ({"jobs": {"id": "x"}}, "unknown section(s) ['jobs']"),
+])
+def test_bad_values_are_named_with_a_fix(sections, message):
+    with pytest.raises(ConfigError) as info:
+        cfg(**sections)
+    assert message in str(info.value)
+
+
+def test_missing_job_section():
+    with pytest.raises(ConfigError, match=r"the \[job\] section is required"):
+        config_from_dict({"node": {"id": "a"}})
+
+
+def test_env_overrides_per_node_values_and_secrets(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[job]\nid = "demo"\nentrypoint = ["t.py"]\n[etcd]\nuser = "u"\npassword = "file"\n')
+    c = load_config(path, env={"ELASTICD_NODE_ID": "node-7", "ELASTICD_ETCD_PASSWORD": "secret",
+                               "ELASTICD_ETCD_ENDPOINTS": "10.0.0.1:2379, 10.0.0.2:2379"})
+    assert c.node.id == "node-7"
+    assert c.etcd.password == "secret"
+    assert c.etcd.endpoints == ("10.0.0.1:2379", "10.0.0.2:2379")
+    assert "secret" not in repr(c)
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[job\n")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "none.toml")
