@@ -139,11 +139,12 @@ class AgentProcess:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def workers(self) -> list[psutil.Process]:
+    def workers(self, direct: bool = False) -> list[psutil.Process]:
+        """The agent's workers (``direct``: only its children, not their helpers)."""
         if not self.running():
             return []
         try:
-            return psutil.Process(self.proc.pid).children(recursive=True)
+            return psutil.Process(self.proc.pid).children(recursive=not direct)
         except psutil.NoSuchProcess:
             return []
 

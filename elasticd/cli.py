@@ -37,7 +37,7 @@ def run(config_path: str, log_level: str) -> None:
     configure_logging(log_level)
     config = _load(config_path)
     try:
-        code = Daemon(config).run()
+        code = Daemon(config, config_path=config_path).run()
     except ElasticdError as exc:
         raise click.ClickException(str(exc)) from None
     sys.exit(code)
@@ -56,3 +56,28 @@ def status(config_path: str, as_json: bool, events: int) -> None:
     except ElasticdError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(json.dumps(result, indent=2) if as_json else format_status(result))
+
+
+@main.command()
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
+@click.option("--node", "node_id", default=None, help="Node to drain (default: this config's node).")
+@click.option("--reason", default="", help="Recorded in the node's log and the job journal.")
+def drain(config_path: str, node_id: str | None, reason: str) -> None:
+    """Ask a node's daemon to drain: checkpoint, leave the job, exit 0."""
+    from elasticd.etcd_client import EtcdClient
+    from elasticd.rendezvous.keys import JobKeys
+
+    config = _load(config_path)
+    node = node_id or config.node.id
+    keys = JobKeys(config.job.id, config.etcd.key_prefix)
+    try:
+        client = EtcdClient(config.etcd.settings(retry_s=5.0))
+        if client.get(keys.node(node)) is None:
+            raise click.ClickException(f"node {node!r} is not registered in job {config.job.id!r}; "
+                                       "see `elasticd status`")
+        client.put(keys.drain(node), json.dumps({"reason": reason}).encode())
+        client.close()
+    except ElasticdError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"drain requested for node {node}; it leaves after its checkpoint "
+               f"(watch with `elasticd status --config {config_path}`)")

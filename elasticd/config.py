@@ -155,7 +155,9 @@ class LrConfig:
 
 @dataclass(frozen=True)
 class SupervisorConfig:
-    worker_restarts: int = 10          # torchrun --max-restarts per agent life
+    # torchrun's own --max-restarts. Keep it high: it cannot tell a crash from a
+    # membership change; the daemon's budget below can, and ends a crash loop.
+    worker_restarts: int = 10000
     backoff_initial_s: float = 1.0
     backoff_max_s: float = 60.0
     crash_loop_failures: int = 5       # this many agent failures without progress ...
@@ -233,7 +235,9 @@ _SECTIONS: dict[str, type] = {
     "preemption": PreemptionConfig, "metrics": MetricsConfig,
 }
 # Sections that hot-reload on SIGHUP without restarting anything.
-RELOADABLE = ("checkpoint", "lr", "supervisor", "metrics")
+# checkpoint and lr reach the workers through the agent's environment: they apply
+# from the next agent start.
+RELOADABLE = ("checkpoint", "lr", "supervisor", "preemption")
 
 
 def load_config(path: str | os.PathLike[str], env: dict[str, str] | None = None) -> Config:

@@ -8,6 +8,7 @@ retried by a later cycle, so an etcd outage delays membership changes only.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -22,16 +23,17 @@ import structlog
 
 from elasticd import __version__, proctree
 from elasticd.agent import AgentProcess, RunFiles, torchrun_command, worker_env
-from elasticd.config import Config
-from elasticd.errors import EtcdError
+from elasticd.config import RELOADABLE, Config, load_config
+from elasticd.errors import ElasticdError, EtcdError
 from elasticd.etcd_client import EtcdClient, no_retry
 from elasticd.journal import Journal
 from elasticd.membership import Membership, Peer
+from elasticd.preemption import Notice, PreemptionWatcher
 from elasticd.probe import Liveness, Prober, ProbeServer, probe
 from elasticd.rendezvous import admin
 from elasticd.rendezvous.keys import JobKeys
 from elasticd.sdnotify import SystemdNotifier, WatchdogGate
-from elasticd.supervisor import Action, Decision, Phase, Policy, View, decide
+from elasticd.supervisor import Action, Decision, Phase, Policy, View, decide, restart_cause
 
 log = structlog.get_logger("elasticd.daemon")
 
@@ -42,18 +44,21 @@ CONFIRM_TIMEOUT_S = 0.5
 
 
 class Daemon:
-    def __init__(self, config: Config, *, clock=time.monotonic,
+    def __init__(self, config: Config, *, config_path: str | None = None, clock=time.monotonic,
                  notifier: SystemdNotifier | None = None) -> None:
         self.config = config
+        self.config_path = config_path
+        self._reload_requested = False
+        self._last_membership_change = float("-inf")
+        self._workers: frozenset[int] = frozenset()
+        self.preemption: PreemptionWatcher | None = None
         self.clock = clock
         self.keys = JobKeys(config.job.id, config.etcd.key_prefix)
         self.node_id = config.node.id
         run_dir = config.node.run_dir or tempfile.mkdtemp(prefix=f"elasticd-{self.node_id}-")
         self.files = RunFiles(Path(run_dir))
         self.files.run_dir.mkdir(parents=True, exist_ok=True)
-        sup = config.supervisor
-        self.policy = Policy(sup.backoff_initial_s, sup.backoff_max_s, sup.crash_loop_failures,
-                             sup.crash_loop_window_s)
+        self.policy = _policy(config)
         self.notifier = notifier or SystemdNotifier()
         self.watchdog = WatchdogGate.for_notifier(self.notifier, clock=clock)
         self._pinged_at = float("-inf")
@@ -73,6 +78,7 @@ class Daemon:
         self._step_at_start: int | None = None
         self._last_reason = ""
         self._checkpoint_read_at = float("-inf")
+        self._known_peers: frozenset[str] = frozenset()
         self._published_step: int | None = None
         self._ready_sent = False
         self._terminator: threading.Thread | None = None
@@ -103,8 +109,20 @@ class Daemon:
         self.journal = Journal(self.client, self.keys, self.node_id)
         self.journal.record("node-joined")
         self.prober = Prober(self.membership.peers, self.config.node.probe_interval_s).start()
+        self._start_preemption_watcher()
         self.log.info("registered in etcd; watching peers", probe=self.probe_server.endpoint,
                       run_dir=str(self.files.run_dir))
+
+    def _start_preemption_watcher(self) -> None:
+        if self.preemption is not None:
+            self.preemption.stop()
+            self.preemption = None
+        if self.config.preemption.enabled:
+            self.preemption = PreemptionWatcher(self.config.preemption, self._on_notice).start()
+
+    def _on_notice(self, notice: Notice) -> None:
+        deadline = f", {notice.deadline_s:.0f} s left" if notice.deadline_s is not None else ""
+        self.request_drain(f"a {notice.provider} preemption notice arrived ({notice.reason}{deadline})")
 
     def _initial_record(self) -> dict[str, Any]:
         return {"host": socket.gethostname(), "addr": self.config.node.addr,
@@ -116,6 +134,7 @@ class Daemon:
             return
         signal.signal(signal.SIGTERM, self._on_stop_signal)
         signal.signal(signal.SIGINT, self._on_stop_signal)
+        signal.signal(signal.SIGHUP, lambda *_: setattr(self, "_reload_requested", True))
 
     def _on_stop_signal(self, signum: int, _frame: Any) -> None:
         if self.drain_reason is None:
@@ -130,10 +149,14 @@ class Daemon:
     # -- one cycle ---------------------------------------------------------------------
 
     def cycle(self) -> Decision:
+        if self._reload_requested:
+            self._reload_requested = False
+            self.reload()
         self.membership.poll()
         self._read_job_state()
         self._read_progress()
         self._confirm_dead_peers()
+        self._watch_workers()
         view = self._view()
         decision = decide(view, self.policy)
         if view.agent_exit is not None:
@@ -170,9 +193,33 @@ class Daemon:
         if decision.action is Action.NONE and decision.reason == self._last_reason:
             return
         self._last_reason = decision.reason
+        self.notifier.status(self._status_line())
         self.log.info(decision.reason, action=decision.action.value, phase=decision.phase.value,
                       round=self.progress.get("round"), world_size=self.progress.get("world_size"),
                       step=self.progress.get("step"))
+
+    # -- SIGHUP -------------------------------------------------------------------------
+
+    def reload(self) -> None:
+        """Re-read the config file; apply the reloadable sections, report the rest."""
+        if self.config_path is None:
+            self.log.warning("SIGHUP ignored: the daemon was not started from a config file")
+            return
+        try:
+            new = load_config(self.config_path)
+        except ElasticdError as exc:
+            self.log.error("config reload rejected; keeping the running config", reason=str(exc))
+            return
+        applied, ignored = config_diff(self.config, new)
+        kept = {name: getattr(self.config, name) for name in vars(self.config)
+                if name not in RELOADABLE and name != "source"}
+        self.config = dataclasses.replace(new, **kept)
+        self.policy = _policy(self.config)
+        if any(key.startswith("preemption.") for key in applied):
+            self._start_preemption_watcher()
+        self.notifier.reloading()
+        self.log.info("config reloaded", applied=applied, needs_restart=ignored)
+        self.notifier.ready()
 
     # -- reading the world -------------------------------------------------------------
 
@@ -181,12 +228,17 @@ class Daemon:
         if now - self._job_state_read_at < JOB_STATE_EVERY_S:
             return
         self._job_state_read_at = now
+        drain_key = self.keys.drain(self.node_id)
         try:
             with no_retry():
-                kv = self.client.get(self.keys.state)
+                found, _ = self.client.get_many([self.keys.state, drain_key])
         except EtcdError:
             return
+        kv = found.get(self.keys.state)
         self.job_state = json.loads(kv.value).get("state") if kv else None
+        if drain_key in found:
+            reason = json.loads(found[drain_key].value).get("reason", "")
+            self.request_drain(f"`elasticd drain` asked for it{': ' + reason if reason else ''}")
         if self.job_state == "completed" and self.completed_seen_at is None:
             self.completed_seen_at = now
 
@@ -237,8 +289,31 @@ class Daemon:
             if self.membership.delete_peer(peer):
                 self.log.info("peer refused its liveness probe; deleted its record", peer=peer.node_id)
         for peer in self.membership.take_departed():
+            self._last_membership_change = self.clock()
             if self._is_dead(peer):
                 self.dead[peer.node_id] = peer
+        peers = frozenset(self.membership.peers())
+        if peers - self._known_peers:
+            self._last_membership_change = self.clock()
+        self._known_peers = peers
+
+    def _watch_workers(self) -> None:
+        """Notice the agent restarting its workers, and tell a crash from a membership change."""
+        if self.agent is None or not self.agent.running():
+            self._workers = frozenset()
+            return
+        current = frozenset(p.pid for p in self.agent.workers(direct=True))
+        if not current or current == self._workers:
+            return
+        restarted = bool(self._workers)
+        self._workers = current
+        if not restarted:
+            return
+        cause = restart_cause(self.clock(), self._last_membership_change, self.progress.get("event"))
+        self.journal.record("workers-restarted", cause=cause)
+        self.log.info(f"the agent restarted its workers after a {cause}", cause=cause)
+        if cause == "crash":
+            self.failures.append(self.clock())
 
     def _is_dead(self, peer: Peer) -> bool:
         if peer.state in ("leaving", "completed", "failed"):
@@ -283,6 +358,7 @@ class Daemon:
             removal = None
         was_running = any(p.state == "running" for p in peers)
         in_round = removal.in_round if removal and removal.removed else was_running
+        self._last_membership_change = self.clock()
         killed = self.agent.kill_workers() if in_round and self.agent else 0
         for peer in peers:
             self.journal.record("peer-lost", peer=peer.node_id, killed_workers=killed)
@@ -296,6 +372,9 @@ class Daemon:
         self.journal.record("agent-failed", exit_code=self.agent.exit_code() if self.agent else None)
 
     def _do_mark_failed(self, decision: Decision) -> None:
+        if self.agent is not None and self.agent.running():
+            self.agent.terminate(grace_s=5)
+            self._leave_rendezvous()
         self.membership.update(state="failed", reason=decision.reason, agent_pid=None)
         self.journal.record("node-failed", reason=decision.reason)
 
@@ -323,6 +402,11 @@ class Daemon:
     def _do_finish_drain(self, decision: Decision) -> None:
         self._leave_rendezvous()
         self.journal.record("node-left", step=self.progress.get("step"))
+        try:
+            with no_retry():
+                self.client.delete(self.keys.drain(self.node_id))
+        except EtcdError:
+            pass  # a stale request only drains this node again at its next start
 
     def _leave_rendezvous(self) -> None:
         if self.agent is None or self.agent.pid is None:
@@ -353,9 +437,30 @@ class Daemon:
             self.log.error("processes survived the daemon's shutdown", pids=[p.pid for p in left])
         self.prober.stop()
         self.probe_server.stop()
+        if self.preemption is not None:
+            self.preemption.stop()
         self.membership.leave()
         self.client.close()
         self.log.info("daemon stopped", phase=self.phase.value, hard=self.hard_stop)
+
+
+def _policy(config: Config) -> Policy:
+    sup = config.supervisor
+    return Policy(sup.backoff_initial_s, sup.backoff_max_s, sup.crash_loop_failures,
+                  sup.crash_loop_window_s)
+
+
+def config_diff(old: Config, new: Config) -> tuple[dict[str, list], dict[str, list]]:
+    """Changed keys as ``{"section.key": [old, new]}``: (reloadable, needs a restart)."""
+    applied, ignored = {}, {}
+    for section in (f.name for f in dataclasses.fields(old) if f.name != "source"):
+        before, after = getattr(old, section), getattr(new, section)
+        for f in dataclasses.fields(before):
+            a, b = getattr(before, f.name), getattr(after, f.name)
+            if a != b:
+                shown = ["***", "***"] if f.name == "password" else [a, b]
+                (applied if section in RELOADABLE else ignored)[f"{section}.{f.name}"] = shown
+    return applied, ignored
 
 
 def newest_committed_step(directory: str) -> int | None:

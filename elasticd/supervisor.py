@@ -67,7 +67,7 @@ class View:
     job_state: str | None = None           # etcd: running | completed | failed
     completed_seen_at: float | None = None  # when this node first saw job_state completed
     restart_at: float = 0.0                # end of the current backoff
-    failures: tuple[float, ...] = ()       # agent failure times since the last progress
+    failures: tuple[float, ...] = ()       # crash times (agent or workers) since the last progress
     dead_peers: tuple[str, ...] = ()
     drain_reason: str | None = None
 
@@ -129,6 +129,28 @@ def _agent_exited(view: View, policy: Policy) -> Decision | None:
                     f"{policy.crash_loop_failures}); restarting it in {delay:.1f} s", delay_s=delay)
 
 
+def _worker_crash_loop(view: View, policy: Policy) -> Decision | None:
+    if view.phase is not Phase.RUNNING or not view.agent_running:
+        return None
+    recent = [t for t in view.failures if view.now - t <= policy.crash_loop_window_s]
+    if len(recent) < policy.crash_loop_failures:
+        return None
+    return Decision(Action.MARK_FAILED, Phase.FAILED,
+                    f"the workers crashed {len(recent)} times without progress within "
+                    f"{policy.crash_loop_window_s:.0f} s; marking this node failed")
+
+
+def restart_cause(now: float, last_membership_change: float, progress_event: str | None,
+                  window_s: float = 15.0) -> str:
+    """Why the agent restarted its workers: ``membership`` (a peer left or joined, a drain,
+    our own eviction) or ``crash``. Only crashes count against the restart budget."""
+    if progress_event == "stopped":
+        return "membership"   # a coordinated stop: someone is leaving or joining
+    if now - last_membership_change <= window_s:
+        return "membership"
+    return "crash"
+
+
 def _job_completed(view: View, policy: Policy) -> Decision | None:
     if view.job_state != "completed":
         return None
@@ -164,4 +186,4 @@ def _start(view: View, policy: Policy) -> Decision | None:
     return Decision(Action.START_AGENT, Phase.RUNNING, f"{verb} the torchrun agent")
 
 
-_RULES = (_final, _draining, _agent_exited, _job_completed, _dead_peers, _start)
+_RULES = (_final, _draining, _agent_exited, _job_completed, _dead_peers, _worker_crash_loop, _start)

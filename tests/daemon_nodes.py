@@ -24,7 +24,7 @@ MLP = str(REPO / "trainer" / "examples" / "mlp.py")
 
 def write_config(path: Path, *, job: str, node: str, endpoint: str, run_dir: Path, ckpt_dir: Path,
                  min_nodes: int = 1, max_nodes: int = 3, entrypoint: list[str] | None = None,
-                 lease_ttl_s: int = 5, extra: str = "") -> Path:
+                 lease_ttl_s: int = 5, extra: str = "", sections: str = "") -> Path:
     entry = entrypoint or [MLP, "--max-steps", "1000000", "--step-sleep", "0.05", "--log-every", "100"]
     path.write_text(f"""
 [job]
@@ -53,6 +53,7 @@ keep_last = 3
 backoff_initial_s = 0.5
 drain_grace_s = 30
 {extra}
+{sections}
 """)
     return path
 
@@ -64,6 +65,7 @@ class DaemonNode:
     job: str
     root: Path
     config_kw: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -85,7 +87,8 @@ class DaemonNode:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "elasticd", "run", "--config", str(self.config_path)],
-                stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                stdout=log, stderr=subprocess.STDOUT,
+                env=dict(os.environ, PYTHONUNBUFFERED="1", **self.env))
         return self
 
     def progress(self) -> dict | None:
@@ -141,6 +144,21 @@ def log_lines(node: DaemonNode) -> list[dict]:
         if line.startswith("{"):
             with contextlib.suppress(ValueError):
                 out.append(json.loads(line))
+    return out
+
+
+def agent_events(node: DaemonNode, event: str) -> list[dict]:
+    """The trainer's JSON log lines with this event from the node's agent log."""
+    out = []
+    path = node.run_dir / "agent.log"
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        start = line.find("{")
+        if start < 0:
+            continue
+        with contextlib.suppress(ValueError):
+            rec = json.loads(line[start:])
+            if rec.get("event") == event:
+                out.append(rec)
     return out
 
 

@@ -5,6 +5,7 @@
 ``/elasticd/<job>/rdzv/store/<key>``    the agents' c10d store (this plugin)
 ``/elasticd/<job>/checkpoint/latest``   newest committed checkpoint (hint)
 ``/elasticd/<job>/events/<ts>-<node>``  lifecycle journal
+``/elasticd/<job>/drain/<node-id>``     a drain request from ``elasticd drain``
 ``/elasticd/<job>/state``               running | completed | failed
 """
 
@@ -66,6 +67,10 @@ class JobKeys:
     @property
     def events(self) -> str:
         return f"{self.prefix}events/"
+
+    def drain(self, node_id: str) -> str:
+        """A drain request for one node (``elasticd drain``); the node deletes it when gone."""
+        return f"{self.prefix}drain/{node_id}"
 
     @property
     def state(self) -> str:

@@ -117,3 +117,25 @@ def test_failed_job_does_not_start():
 def test_final_phases_do_nothing(phase):
     out = d(phase=phase, agent_exit=1, dead_peers=("b",), drain_reason="x")
     assert (out.action, out.phase) == (Action.NONE, phase)
+
+
+def test_worker_crash_loop_while_running_marks_failed_and_stops():
+    out = d(phase=Phase.RUNNING, agent_running=True, failures=(950.0, 980.0, 990.0))
+    assert (out.action, out.phase) == (Action.MARK_FAILED, Phase.FAILED)
+    assert "the workers crashed 3 times without progress" in out.reason
+
+
+def test_worker_crashes_below_the_budget_are_tolerated():
+    out = d(phase=Phase.RUNNING, agent_running=True, failures=(980.0, 990.0))
+    assert out.action is Action.NONE
+
+
+@pytest.mark.parametrize("now, last_change, event, cause", [
+    (100.0, 95.0, "step", "membership"),       # a peer left or joined 5 s ago
+    (100.0, 50.0, "stopped", "membership"),    # coordinated stop: a drain or scale change
+    (100.0, 50.0, "step", "crash"),
+    (100.0, float("-inf"), None, "crash"),
+])
+def test_restart_cause_tells_membership_from_crash(now, last_change, event, cause):
+    from elasticd.supervisor import restart_cause
+    assert restart_cause(now, last_change, event) == cause
