@@ -28,6 +28,7 @@ from elasticd.errors import ElasticdError, EtcdError
 from elasticd.etcd_client import EtcdClient, no_retry
 from elasticd.journal import Journal
 from elasticd.membership import Membership, Peer
+from elasticd.metrics import Metrics
 from elasticd.preemption import Notice, PreemptionWatcher
 from elasticd.probe import Liveness, Prober, ProbeServer, probe
 from elasticd.rendezvous import admin
@@ -52,6 +53,7 @@ class Daemon:
         self._last_membership_change = float("-inf")
         self._workers: frozenset[int] = frozenset()
         self.preemption: PreemptionWatcher | None = None
+        self.metrics = Metrics()
         self.clock = clock
         self.keys = JobKeys(config.job.id, config.etcd.key_prefix)
         self.node_id = config.node.id
@@ -110,6 +112,8 @@ class Daemon:
         self.journal.record("node-joined")
         self.prober = Prober(self.membership.peers, self.config.node.probe_interval_s).start()
         self._start_preemption_watcher()
+        if self.config.metrics.port:
+            self.metrics.serve(self.config.metrics.addr, self.config.metrics.port)
         self.log.info("registered in etcd; watching peers", probe=self.probe_server.endpoint,
                       run_dir=str(self.files.run_dir))
 
@@ -163,6 +167,7 @@ class Daemon:
             self._exit_seen = True
         self._act(decision)
         self.phase = decision.phase
+        self._update_metrics()
         self._log_decision(decision)
         self._ping_watchdog()
         return decision
@@ -188,6 +193,17 @@ class Daemon:
             failures=tuple(self.failures), dead_peers=tuple(sorted(self.dead)),
             drain_reason=self.drain_reason,
         )
+
+    def _update_metrics(self) -> None:
+        m = self.metrics
+        m.set_phase(self.phase)
+        m.peers.set(len(self._known_peers))
+        m.etcd_up.set(1 if self.membership.etcd_ok else 0)
+        if self.progress:
+            m.world_size.set(self.progress.get("world_size") or 0)
+            m.step.set(self.progress.get("step") or 0)
+        if self._published_step is not None:
+            m.checkpoint_step.set(self._published_step)
 
     def _log_decision(self, decision: Decision) -> None:
         if decision.action is Action.NONE and decision.reason == self._last_reason:
@@ -311,6 +327,7 @@ class Daemon:
             return
         cause = restart_cause(self.clock(), self._last_membership_change, self.progress.get("event"))
         self.journal.record("workers-restarted", cause=cause)
+        self.metrics.worker_restarts.labels(cause).inc()
         self.log.info(f"the agent restarted its workers after a {cause}", cause=cause)
         if cause == "crash":
             self.failures.append(self.clock())
@@ -339,6 +356,7 @@ class Daemon:
         self.agent = AgentProcess(command, worker_env(self.config, self.files), self.files.agent_log,
                                   clock=self.clock)
         pid = self.agent.start()
+        self.metrics.agent_starts.inc()
         self._exit_seen = False
         self._step_at_start = self.progress.get("step")
         self.membership.update(state="running", agent_pid=pid)
@@ -362,6 +380,7 @@ class Daemon:
         killed = self.agent.kill_workers() if in_round and self.agent else 0
         for peer in peers:
             self.journal.record("peer-lost", peer=peer.node_id, killed_workers=killed)
+            self.metrics.evictions.inc()
         self.log.info("evicted lost peers", peers=[p.node_id for p in peers],
                       removed=list(removal.removed) if removal else [], killed_workers=killed)
 

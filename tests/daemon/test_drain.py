@@ -149,3 +149,23 @@ def test_systemd_notify_ready_status_watchdog_stopping(etcd_server, cluster, tmp
     collect(0.5)
     assert "STOPPING=1" in received
     sock.close()
+
+
+def test_prometheus_metrics(etcd_server, cluster):
+    import urllib.request
+
+    from elasticd.embedded_etcd import free_port
+    add, nodes = cluster
+    port = free_port()
+    a = add("a", etcd_server.endpoint, sections=f"[metrics]\nport = {port}\n")
+    wait_for(lambda: stepping_at([a], 1, 0), 120, "training", nodes)
+
+    def scrape() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            return resp.read().decode()
+
+    wait_for(lambda: "elasticd_world_size 1.0" in scrape(), 20, "world size metric", nodes)
+    text = scrape()
+    assert 'elasticd_phase{phase="running"} 1.0' in text
+    assert "elasticd_agent_starts_total 1.0" in text
+    assert "elasticd_etcd_up 1.0" in text
