@@ -33,7 +33,9 @@ def configure_logging(level: str = "info", json_lines: bool | None = None) -> No
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write() per line (PrintLogger writes the newline separately): lines of
+        # workers sharing one stderr would otherwise interleave mid-line.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
 

@@ -135,11 +135,13 @@ class ElasticTrainer:
         self.stop.install()
         try:
             self._setup()
-            return self._train()
+            code = self._train()
         except tdist.CollectiveError as exc:
-            return self._on_failure(exc)
+            code = self._on_failure(exc)
         finally:
             self._close()
+        log.info("worker exit", exit_code=code, step=self.state.step, rank=self.ctx.rank)
+        return code
 
     def _setup(self) -> None:
         self.device = tdist.init_distributed(self.ctx, self.config.backend, self.config.timeout)
@@ -165,39 +167,32 @@ class ElasticTrainer:
             log.warning("no checkpoint directory: a stop or failure loses all progress",
                         hint="set ELASTICD_CHECKPOINT_DIR or --checkpoint-dir")
             return
-        from checkpointing import CheckpointManager  # heavy-ish; only when used
+        from checkpointing import CheckpointManager  # only when checkpoints are used
 
-        # Rank 0 opens first: opening removes leftovers of crashed writers, which must
-        # not race with the other ranks' reads (they open after the broadcast below).
-        if self.ctx.is_rank0:
-            self.checkpoints = CheckpointManager(directory, keep_last=self.ctx.keep_last)
+        # One writer: rank 0. The others only load, and must not clean up rank 0's files.
+        self.checkpoints = CheckpointManager(directory, keep_last=self.ctx.keep_last,
+                                             read_only=not self.ctx.is_rank0)
 
     def _resume(self) -> None:
         """All ranks load the step rank 0 chose, then apply the LR for this world."""
-        found = self.checkpoints.load_latest() if self.checkpoints is not None else None
+        # Rank 0 picks the newest checkpoint that verifies (falling back past damaged
+        # ones) and broadcasts its step, so every rank loads the same one.
+        found = None
+        if self.checkpoints is not None and self.ctx.is_rank0:
+            found = self.checkpoints.load_latest()
         step = tdist.broadcast_int(found.step if found else -1, self.device)
         saved_scale: LRScale | None = None
         saved_world = None
         if step >= 0:
-            if found is None:
-                found = self._open_reader().load(step)
+            found = found or self.checkpoints.load(step)
             saved_scale = self.state.load_checkpoint(found.state, step)
             saved_world = found.state["world"]["world_size"]
             self.saved_step = step
-        elif self.ctx.checkpoint_dir is not None and not self.ctx.is_rank0:
-            self._open_reader()
         self.state.scale = self._scale_for(saved_scale, step)
         lrs = self._apply_lr()
         if step >= 0:
             self.progress.report("resumed", step, lr=lrs[0], lrs=lrs, from_world_size=saved_world,
                                  epoch=self.state.sampler.epoch, global_batch=self.plan.global_batch)
-
-    def _open_reader(self) -> Any:
-        from checkpointing import CheckpointManager
-
-        if self.checkpoints is None:
-            self.checkpoints = CheckpointManager(self.ctx.checkpoint_dir, keep_last=self.ctx.keep_last)
-        return self.checkpoints
 
     def _scale_for(self, saved: LRScale | None, step: int) -> LRScale:
         # Constant global batch: the batch never changes, so neither does the LR.
@@ -219,6 +214,7 @@ class ElasticTrainer:
             stop, loss_total = tdist.step_boundary(self.stop.requested(), loss_sum, self.device)
             self.loss = loss_total / n
             if stop:
+                self._report("step")  # every step done gets its line; "stopped" follows
                 return self._stop()
             saved = self._periodic_checkpoint()
             self._report("checkpoint" if saved else "step")

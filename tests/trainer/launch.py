@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -39,8 +40,9 @@ class Launch:
         return self.workdir / f"{self.name}.progress.json"
 
     def start(self) -> Launch:
+        # PYTHONFAULTHANDLER: a hung process dumps its threads' stacks on SIGABRT (see wait).
         env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONUNBUFFERED="1",
-                   OMP_NUM_THREADS="1", **self.env)
+                   OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", **self.env)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={self.nproc}", "--max-restarts=0", "--monitor-interval=0.1",
                str(EXAMPLES / self.script), "--log-every=1",
@@ -59,8 +61,17 @@ class Launch:
         try:
             return self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired as exc:
+            self._dump_stacks()
             self.kill()
             raise AssertionError(f"{self.name} did not exit in {timeout_s} s:\n{self.tail()}") from exc
+
+    def _dump_stacks(self) -> None:
+        """Make every process of the launch write its Python stacks to the log."""
+        assert self.proc is not None
+        for proc in [*proctree.descendants(self.proc.pid), psutil.Process(self.proc.pid)]:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGABRT)
+        time.sleep(1.0)
 
     def kill(self) -> None:
         """SIGKILL the agent and every worker (they run in their own sessions)."""

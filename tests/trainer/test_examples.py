@@ -1,0 +1,26 @@
+"""The char-level transformer example trains and resumes under torchrun on CPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.trainer.launch import Launch
+
+SMALL = ["--corpus-chars=4000", "--context=16", "--dim=32", "--layers=1", "--heads=2",
+         "--batch-size=8", "--log-every=1"]
+
+
+def test_charlm_trains_and_resumes_at_another_world_size(tmp_path):
+    ckpt = f"--checkpoint-dir={tmp_path / 'ckpt'}"
+    first = Launch(tmp_path, "lm1", 2, [*SMALL, ckpt, "--max-steps=4"], script="charlm.py")
+    assert first.run() == 0, first.tail()
+    second = Launch(tmp_path, "lm2", 1, [*SMALL, ckpt, "--max-steps=6", "--lr-rule=sqrt"],
+                    script="charlm.py")
+    assert second.run() == 0, second.tail()
+    events = second.events()
+    assert events[0]["event"] == "resumed" and events[0]["step"] == 4
+    assert events[-1]["event"] == "completed" and events[-1]["step"] == 6
+    assert all(math.isfinite(e["loss"]) for e in events if e["event"] == "step")
+    assert events[-1]["lr"] == pytest.approx(3e-3 / math.sqrt(2), rel=1e-12)  # sqrt rule, base 2
