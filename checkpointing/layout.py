@@ -21,7 +21,7 @@ MANIFEST_NAME = "manifest.json"
 TEMP_PREFIX = ".tmp-"
 STEP_PREFIX = "step-"
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
-_OWNED_RE = re.compile(r"^(?:\.tmp-|state-)(\d+)-([A-Za-z0-9]*)-[0-9a-f]{12}(?:\.pt)?$")
+_OWNED_RE = re.compile(r"^(?:\.tmp-|state-)(\d+)-([A-Za-z0-9]*)-[0-9a-f]{12}(?:\.[a-z]+)?$")
 
 
 def _host_tag() -> str:

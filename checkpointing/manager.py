@@ -52,6 +52,9 @@ class _Job:
             self._work()
         except BaseException as exc:  # handed to the training thread by join()
             self.error = exc
+            # Logged now as well: a program that never calls save() or wait() again
+            # must still not lose the error silently.
+            log.error("checkpoint_background_failed", job=self._thread.name, error=str(exc))
 
     def join(self) -> BaseException | None:
         self._thread.join()

@@ -32,7 +32,7 @@ def step_dirs_newest_first(storage: Storage) -> list[tuple[int, str]]:
     found = []
     for name in storage.listdir():
         step = layout.parse_step_dir(name)
-        if step is not None:
+        if step is not None and storage.is_dir(name):
             found.append((step, name))
     return sorted(found, reverse=True)
 

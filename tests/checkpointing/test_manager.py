@@ -13,6 +13,7 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
+import structlog
 import torch
 
 from checkpointing import (
@@ -166,7 +167,12 @@ def test_background_error_surfaces_on_wait_then_clears(tmp_path):
     manager = CheckpointManager(tmp_path, storage=storage)
     manager.save(1, make_state(1))
     storage.space_left = 10_000
-    manager.save(2, make_state(2), blocking=False)  # returns: the write fails later
+    with structlog.testing.capture_logs() as logs:
+        manager.save(2, make_state(2), blocking=False)  # returns: the write fails later
+        while manager.writing:
+            time.sleep(0.01)
+    assert [e["log_level"] for e in logs if e["event"] == "checkpoint_background_failed"] == [
+        "error"]  # logged when it happens, even if nobody calls wait()
     with pytest.raises(StorageFullError, match="No space left") as info:
         manager.wait()
     assert "background save" in " ".join(info.value.__notes__)

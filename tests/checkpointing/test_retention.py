@@ -112,6 +112,8 @@ def test_start_cleans_leftovers_of_dead_writers_only(tmp_path):
     (crashed / temp_name(dead)).write_bytes(b"y")
     (tmp_path / step_dir(1) / temp_name(dead)).write_bytes(b"z")
     (tmp_path / step_dir(1) / data_name(dead)).write_bytes(b"superseded")
+    (tmp_path / (temp_name(dead) + ".probe")).write_bytes(b"")
+    (tmp_path / step_dir(9)).write_bytes(b"a file where a step directory would be")
     in_flight = tmp_path / step_dir(3)  # other writers, mid-save
     in_flight.mkdir()
     kept = {temp_name(live), temp_name(remote)}
@@ -126,6 +128,8 @@ def test_start_cleans_leftovers_of_dead_writers_only(tmp_path):
     assert not crashed.exists()
     assert set(os.listdir(tmp_path / step_dir(1))) == committed_files
     assert set(os.listdir(in_flight)) == kept
+    assert sorted(os.listdir(tmp_path)) == [step_dir(1), step_dir(3), step_dir(9)]
+    assert manager.load_latest().step == 1  # the stray file is not a checkpoint
 
 
 def _reader(directory: str, stop, conn) -> None:
