@@ -102,9 +102,11 @@ class CheckpointManager:
         which an unmodified temp file of a live or remote writer counts as abandoned.
         `storage` replaces the local directory (then `directory` is only a label).
         read_only: for ranks that only load: no write probe, no cleanup, save() refused.
+        writer_nice: niceness (0..19) the background writer thread lowers itself to, so it
+        uses the CPU training leaves idle; None keeps the caller's priority.
         Raises CheckpointConfigError for bad values, StorageError if not writable.
         """
-        _check_config(keep_last, stale_temp_seconds)
+        _check_config(keep_last, stale_temp_seconds, writer_nice)
         self.keep_last = keep_last
         self.directory = os.fspath(directory)
         self.storage: Storage = storage if storage is not None else LocalStorage(directory)
@@ -261,7 +263,7 @@ class CheckpointManager:
             self._finish_job(raise_error=False)
 
 
-def _check_config(keep_last: int, stale_temp_seconds: float) -> None:
+def _check_config(keep_last: int, stale_temp_seconds: float, writer_nice: int | None) -> None:
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 2:
         raise CheckpointConfigError(
             f"keep_last={keep_last!r}: keep_last must be >= 2 so a crash during a save always "
@@ -271,6 +273,14 @@ def _check_config(keep_last: int, stale_temp_seconds: float) -> None:
         raise CheckpointConfigError(
             f"stale_temp_seconds={stale_temp_seconds!r} must be > 0; it should exceed the time "
             "one save takes (the default is 3600)"
+        )
+    if writer_nice is not None and (
+        isinstance(writer_nice, bool) or not isinstance(writer_nice, int)
+        or not 0 <= writer_nice <= 19
+    ):
+        raise CheckpointConfigError(
+            f"writer_nice={writer_nice!r} must be an int from 0 (normal priority) to 19 "
+            "(lowest), or None to leave the writer's priority alone"
         )
 
 
