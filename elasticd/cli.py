@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import click
 
@@ -81,3 +82,33 @@ def drain(config_path: str, node_id: str | None, reason: str) -> None:
         raise click.ClickException(str(exc)) from None
     click.echo(f"drain requested for node {node}; it leaves after its checkpoint "
                f"(watch with `elasticd status --config {config_path}`)")
+
+
+@main.command()
+@click.option("--steps", default=400, show_default=True, help="Training steps of the whole job.")
+@click.option("--crash-at", default=120, show_default=True, help="Step at which a node is SIGKILLed.")
+@click.option("--rejoin-after", default=15.0, show_default=True,
+              help="Seconds after the crash before the node is restarted.")
+@click.option("--out", "out_dir", default="elasticd-demo", show_default=True,
+              type=click.Path(file_okay=False), help="Where the summary and the PNG go.")
+def demo(steps: int, crash_at: int, rejoin_after: float, out_dir: str) -> None:
+    """Run a 3-node elastic job on this machine, crash a node, watch it recover."""
+    from pathlib import Path
+
+    from elasticd.demo import Demo, format_summary
+
+    if not 0 < crash_at < steps:
+        raise click.BadParameter(f"--crash-at {crash_at} must be between 0 and --steps {steps}")
+    started = time.monotonic()
+
+    def say(text: str) -> None:
+        click.echo(f"[{time.monotonic() - started:6.1f} s] {text}")
+
+    try:
+        summary = Demo(Path(out_dir), steps, crash_at, rejoin_after, say).run()
+    except KeyboardInterrupt:
+        raise click.ClickException("interrupted; every process and temp file was removed") from None
+    except (ElasticdError, TimeoutError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo("\n" + format_summary(summary))
+    sys.exit(0 if summary.completed else 1)

@@ -1,0 +1,26 @@
+"""`elasticd demo` end to end, small: the summary and the timeline picture are produced."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.timeout(600)
+def test_demo_runs_recovers_and_draws(tmp_path):
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "elasticd", "demo", "--steps", "60", "--crash-at", "20",
+         "--rejoin-after", "3", "--out", str(out)],
+        capture_output=True, text=True, timeout=580)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed"] and summary["recovery_s"] > 0 and summary["rejoin_s"] > 0
+    assert 0 <= summary["steps_lost"] <= 25     # checkpoints every 25 steps
+    png = out / "timeline.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    assert "recovery (crash -> first step at world size 2)" in result.stdout
+    assert not list(tmp_path.glob("elasticd-demo-*")), "temp files left"
