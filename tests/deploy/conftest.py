@@ -1,0 +1,51 @@
+"""Shared helpers for the deploy/ tests: paths, env files, certificates, example configs."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+CONFIGS = sorted((DEPLOY / "config").glob("*.toml"))
+# Where the example configs expect the CA and client certificate on a node.
+NODE_TLS_DIR = "/etc/elasticd/tls/"
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """The active KEY=value lines of an EnvironmentFile (systemd: no quotes, no expansion)."""
+    env = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        assert sep and key.strip() == key, f"{path.name}: not KEY=value: {line!r}"
+        env[key] = value
+    return env
+
+
+def make_certs(out: Path, *names: str) -> Path:
+    subprocess.run(["bash", str(DEPLOY / "etcd/make-certs.sh"), str(out), *names],
+                   check=True, capture_output=True, timeout=60)
+    return out
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory) -> Path:
+    """A CA, a server cert for 127.0.0.1 and the elasticd client cert, from make-certs.sh."""
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+def node_copy(config: Path, tls_dir: Path, dest_dir: Path) -> Path:
+    """``config`` as it would be on a node whose /etc/elasticd/tls is ``tls_dir``.
+
+    load_config checks that the TLS files exist, and the tests cannot write /etc: the
+    copy differs from the example only in that directory prefix.
+    """
+    text = config.read_text().replace(NODE_TLS_DIR, f"{tls_dir}/")
+    dest = dest_dir / config.name
+    dest.write_text(text)
+    return dest

@@ -1,0 +1,255 @@
+"""A real 3-member etcd cluster on loopback, configured by deploy/etcd/cluster.sh (TLS for
+clients and peers, client-certificate auth) and secured by deploy/etcd/setup-auth.sh,
+then used the way elasticd uses it: through EtcdClient with user elasticd.
+
+Members listen on 127.0.0.1, 127.0.0.2 and 127.0.0.3 (the whole 127/8 is loopback on
+Linux) with ports from free_port(); every etcd started here is killed at module teardown.
+The tests run in file order and share the cluster; the failover test runs last because it
+kills a member.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from elasticd import proctree
+from elasticd.embedded_etcd import find_etcd_binary, free_port
+from elasticd.errors import EtcdAuthError
+from elasticd.etcd_client import EtcdClient, EtcdSettings
+from elasticd.journal import Journal
+from elasticd.lease import LeaseKeeper
+from elasticd.membership import Membership
+from elasticd.rendezvous.backend import EtcdV3RendezvousBackend
+from elasticd.rendezvous.handler import parse_params
+from elasticd.rendezvous.keys import JobKeys
+from elasticd.rendezvous.store import EtcdV3Store
+from tests.deploy.conftest import DEPLOY, read_env_file
+
+ROOT_PASSWORD = "root-secret"
+PASSWORD = "elasticd-secret"
+MEMBERS = ("m1", "m2", "m3")
+
+
+class Member:
+    def __init__(self, name: str, env: dict[str, str], data_dir: Path, log: Path) -> None:
+        self.name, self.env, self.data_dir, self.log = name, env, data_dir, log
+        self.endpoint = env["ETCD_ADVERTISE_CLIENT_URLS"].removeprefix("https://")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        # Only the generated file configures etcd: no flags, and no stray ETCD_* from outside.
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **self.env,
+               "ETCD_DATA_DIR": str(self.data_dir)}
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([find_etcd_binary()], env=env, stdout=log,
+                                         stderr=subprocess.STDOUT,
+                                         preexec_fn=proctree.parent_death_signal)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+class Cluster:
+    def __init__(self, out: Path, members: list[Member]) -> None:
+        self.out, self.members = out, members
+        self.tls = out / "tls"
+        self.endpoints = tuple(m.endpoint for m in members)
+
+    def etcdctl(self, *args: str, endpoints: tuple[str, ...] | None = None,
+                check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [etcdctl_binary(), f"--endpoints={','.join(endpoints or self.endpoints)}",
+             f"--cacert={self.tls}/ca.pem", f"--cert={self.tls}/client.pem",
+             f"--key={self.tls}/client-key.pem", "--dial-timeout=2s", *args],
+            capture_output=True, text=True, timeout=30, check=check,
+            env={"ETCDCTL_API": "3", "PATH": os.environ.get("PATH", "")})
+
+    def healthy(self, member: Member) -> bool:
+        if member.proc is None or member.proc.poll() is not None:
+            return False
+        done = self.etcdctl("endpoint", "health", endpoints=(member.endpoint,), check=False)
+        return done.returncode == 0
+
+    def wait_healthy(self, members: list[Member], timeout_s: float = 20) -> None:
+        if not proctree.wait_for(lambda: all(self.healthy(m) for m in members), timeout_s, 0.2):
+            logs = "\n".join(f"--- {m.name}\n{m.log.read_text(errors='replace')[-1500:]}" for m in members)
+            raise AssertionError(f"etcd members not healthy in {timeout_s} s\n{logs}")
+
+    def setup_auth(self, elasticd_password: str = PASSWORD,
+                   root_password: str = ROOT_PASSWORD) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["bash", str(DEPLOY / "etcd/setup-auth.sh"), ",".join(self.endpoints), str(self.tls)],
+            capture_output=True, text=True, timeout=60,
+            env={"PATH": os.environ.get("PATH", ""), "ETCDCTL": etcdctl_binary(),
+                 "ETCD_ROOT_PASSWORD": root_password, "ELASTICD_ETCD_PASSWORD": elasticd_password})
+
+    def client(self, password: str | None = PASSWORD, user: str | None = "elasticd",
+               endpoints: tuple[str, ...] | None = None, retry_s: float = 10) -> EtcdClient:
+        return EtcdClient(EtcdSettings(
+            endpoints=endpoints or self.endpoints, ca_cert=str(self.tls / "ca.pem"),
+            cert=str(self.tls / "client.pem"), key=str(self.tls / "client-key.pem"),
+            user=user if password is not None else None, password=password, timeout_s=2,
+            retry_s=retry_s))
+
+
+def etcdctl_binary() -> str:
+    return str(Path(find_etcd_binary()).with_name("etcdctl"))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    out = tmp_path_factory.mktemp("etcd-cluster")
+    specs = [f"{name}=127.0.0.{i}:{free_port()}:{free_port()}" for i, name in enumerate(MEMBERS, 1)]
+    subprocess.run(["bash", str(DEPLOY / "etcd/cluster.sh"), str(out), *specs], check=True,
+                   capture_output=True, timeout=60,
+                   env={**os.environ, "ETCD_TLS_DIR": str(out / "tls"),
+                        "ETCD_CLUSTER_TOKEN": "elasticd-test"})
+    members = [Member(n, read_env_file(out / f"{n}.env"), out / f"data-{n}", out / f"{n}.log")
+               for n in MEMBERS]
+    c = Cluster(out, members)
+    try:
+        for m in members:
+            m.start()
+        c.wait_healthy(members)
+        yield c
+    finally:
+        for m in members:
+            m.kill()
+
+
+def test_cluster_sh_writes_tls_for_clients_and_peers(cluster):
+    env = cluster.members[1].env
+    tls = cluster.tls
+    assert env["ETCD_NAME"] == "m2"
+    assert env["ETCD_INITIAL_CLUSTER"] == ",".join(
+        f"{m.name}={m.env['ETCD_INITIAL_ADVERTISE_PEER_URLS']}" for m in cluster.members)
+    for key in ("ETCD_LISTEN_CLIENT_URLS", "ETCD_ADVERTISE_CLIENT_URLS", "ETCD_LISTEN_PEER_URLS",
+                "ETCD_INITIAL_ADVERTISE_PEER_URLS"):
+        assert all(url.startswith("https://") for url in env[key].split(",")), key
+    assert env["ETCD_CERT_FILE"] == env["ETCD_PEER_CERT_FILE"] == f"{tls}/server-127.0.0.2.pem"
+    assert env["ETCD_TRUSTED_CA_FILE"] == env["ETCD_PEER_TRUSTED_CA_FILE"] == f"{tls}/ca.pem"
+    assert env["ETCD_CLIENT_CERT_AUTH"] == env["ETCD_PEER_CLIENT_CERT_AUTH"] == "true"
+    assert env["ETCD_AUTO_COMPACTION_RETENTION"]
+    members = cluster.etcdctl("member", "list").stdout
+    assert members.count("started") == 3, members
+
+
+def test_a_client_without_a_certificate_is_refused(cluster):
+    done = subprocess.run([etcdctl_binary(), f"--endpoints={cluster.endpoints[0]}",
+                           f"--cacert={cluster.tls}/ca.pem", "--dial-timeout=1s",
+                           "--command-timeout=1s", "get", "x"],
+                          capture_output=True, text=True, timeout=30, env={"ETCDCTL_API": "3"})
+    assert done.returncode != 0
+
+
+def test_setup_auth_limits_elasticd_to_its_prefix(cluster):
+    done = cluster.setup_auth()
+    assert done.returncode == 0, done.stderr
+    client = cluster.client()
+    try:
+        client.put("/elasticd/job-a/state", b"running")
+        assert client.get("/elasticd/job-a/state").value == b"running"
+        for outside in ("/other", "/elasticd", "/elasticd-other/x", "/"):
+            with pytest.raises(EtcdAuthError):
+                client.put(outside, b"x")
+        with pytest.raises(EtcdAuthError):
+            client.get("/other")
+    finally:
+        client.close()
+    with pytest.raises(EtcdAuthError):
+        cluster.client(password="wrong", retry_s=0)
+    roles = cluster.etcdctl("--user", f"root:{ROOT_PASSWORD}", "role", "get", "elasticd").stdout
+    assert "prefix /elasticd/" in roles, roles
+
+
+def test_the_client_certificate_alone_acts_as_user_elasticd(cluster):
+    """client-cert-auth maps the certificate's CN to the user: the key is a credential."""
+    client = cluster.client(password=None, retry_s=0)
+    try:
+        client.put("/elasticd/cert-only", b"ok")
+        with pytest.raises(EtcdAuthError):
+            client.put("/other", b"x")
+    finally:
+        client.close()
+
+
+def test_the_role_covers_what_the_daemon_and_the_plugin_do(cluster):
+    """Leases, records on leases, watches, transactions, the store, revoking: all as elasticd."""
+    client = cluster.client()
+    keys = JobKeys("deploy-test")
+    membership = Membership(client, keys, "node-a", 3, {"addr": "127.0.0.1"})
+    lease = LeaseKeeper(client, 10, name="rdzv-test").start()
+    try:
+        membership.register()
+        membership.poll()
+        Journal(client, keys, "node-a").record("node-joined")
+        assert client.get(keys.node("node-a")) is not None
+        backend = EtcdV3RendezvousBackend(client, keys.rdzv_state, lease)
+        state, token, won = backend.set_state(b"round-1")
+        assert won and backend.get_state() == (b"round-1", token)
+        store = EtcdV3Store(client, keys.store, lease)
+        store.set("master", b"10.0.0.1:29500")
+        assert store.get("master") == b"10.0.0.1:29500"
+        assert store.add("count", 1) == 1
+        membership.leave()
+        assert client.get(keys.node("node-a")) is None
+    finally:
+        lease.stop(revoke=True)
+        client.close()
+    # The torchrun plugin builds its settings from --rdzv-conf; the same credentials work.
+    settings = parse_params(RendezvousParameters(
+        "etcd3", ",".join(cluster.endpoints), "deploy-test", 1, 2, protocol="https",
+        ca_cert=str(cluster.tls / "ca.pem"), ssl_cert=str(cluster.tls / "client.pem"),
+        ssl_cert_key=str(cluster.tls / "client-key.pem"), user="elasticd", password=PASSWORD)).etcd
+    plugin = EtcdClient(settings)
+    try:
+        assert plugin.get(keys.rdzv_state) is None   # its lease was revoked with the state
+    finally:
+        plugin.close()
+
+
+def test_setup_auth_is_idempotent_and_rotates_the_password(cluster):
+    done = cluster.setup_auth(elasticd_password="rotated")
+    assert done.returncode == 0, done.stderr
+    with pytest.raises(EtcdAuthError):
+        cluster.client(retry_s=0)
+    client = cluster.client(password="rotated")
+    client.put("/elasticd/rotated", b"1")
+    client.close()
+    wrong_root = cluster.setup_auth(root_password="wrong")
+    assert wrong_root.returncode != 0 and "cannot act as root" in wrong_root.stderr
+    assert cluster.setup_auth().returncode == 0   # back to PASSWORD
+
+
+def test_failover_when_a_member_dies(cluster):
+    client = cluster.client()
+    # python-etcd3 starts on a random endpoint: kill the one this client is talking to.
+    in_use = client._client.endpoint_in_use.netloc
+    first = next(m for m in cluster.members if m.endpoint == in_use)
+    try:
+        client.put("/elasticd/failover", b"before")
+        first.kill()
+        client.put("/elasticd/failover", b"after")
+        assert client.get("/elasticd/failover").value == b"after"
+        # The restarted member rejoins from its data dir (the env file's initial-cluster
+        # settings are ignored then) and has the write it missed.
+        first.start()
+        cluster.wait_healthy([first])
+        alone = cluster.client(endpoints=(first.endpoint,))
+        try:
+            assert proctree.wait_for(
+                lambda: (alone.get("/elasticd/failover") or None) is not None
+                and alone.get("/elasticd/failover").value == b"after", 10, 0.1)
+        finally:
+            alone.close()
+    finally:
+        client.close()
+        first.kill()   # started by this test: the leak check wants it gone before teardown
