@@ -20,6 +20,7 @@ from trainer.exitcodes import (
     FAILURE_EXIT_CODE,
     ORPHAN_EXIT_CODE,
     STOP_EXIT_CODE,
+    exit_worker,
 )
 
 _LAZY = {
@@ -49,6 +50,7 @@ __all__ = [
     "ConfigError",
     "LaunchError",
     "TrainerError",
+    "exit_worker",
     *_LAZY,
 ]
 

@@ -10,7 +10,26 @@
   or daemon died.
 """
 
+import contextlib
+import os
+import sys
+from typing import NoReturn
+
 COMPLETE_EXIT_CODE = 0
 STOP_EXIT_CODE = 75
 FAILURE_EXIT_CODE = 1
 ORPHAN_EXIT_CODE = 70
+
+
+def exit_worker(code: int) -> NoReturn:
+    """Flush stdout/stderr and end the process with ``code`` at once.
+
+    Skips interpreter teardown on purpose: after a peer died, torch's process-group
+    and DDP destructors can block forever while holding the GIL (measured with gloo),
+    which would leave the worker alive with its exit code unsaid. Call it only after
+    ``ElasticTrainer.run()`` returned: checkpoints are committed by then.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken stream
+            stream.flush()
+    os._exit(code)

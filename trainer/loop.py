@@ -5,7 +5,7 @@ and exits with what ``run()`` returns::
 
     trainer = ElasticTrainer(model, optimizer, len(data), batch_fn, loss_fn,
                              TrainConfig(micro_batch=32, max_steps=1000))
-    sys.exit(trainer.run())
+    exit_worker(trainer.run())   # os._exit after a flush: see exitcodes.exit_worker
 
 One step (``step`` counts completed optimizer steps):
 

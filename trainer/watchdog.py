@@ -9,11 +9,20 @@ A daemon thread polls twice a second and ``os._exit``s the worker when
 * ``ELASTICD_DAEMON_PID`` is set and that process is gone (or a zombie).
 
 Works under plain torchrun too (the parent check needs no daemon).
+
+The thread needs the GIL, and a C++ call can hold it while blocked (measured: a
+gloo process-group destructor after a peer died). So ``start`` also asks the kernel
+for SIGKILL when the parent dies (``PR_SET_PDEATHSIG``, Linux), which needs no
+cooperation from the process. The kernel ties that signal to the parent *thread*
+that started us; torchrun's agent starts workers from its main thread. Pass
+``parent_death_signal=False`` when a launcher starts workers from short-lived threads.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import threading
 from collections.abc import Callable
 
@@ -51,6 +60,7 @@ class OrphanWatchdog:
         getppid: Callable[[], int] = os.getppid,
         is_alive: Callable[[int], bool] = pid_alive,
         exit_fn: Callable[[int], object] = os._exit,
+        parent_death_signal: bool = True,
     ) -> None:
         self.daemon_pid = daemon_pid
         self.interval_s = interval_s
@@ -58,6 +68,7 @@ class OrphanWatchdog:
         self._getppid = getppid
         self._is_alive = is_alive
         self._exit = exit_fn
+        self.parent_death_signal = parent_death_signal
         self.start_ppid = getppid()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -73,6 +84,8 @@ class OrphanWatchdog:
 
     def start(self) -> OrphanWatchdog:
         """Start the polling thread (a daemon thread: it never blocks interpreter exit)."""
+        if self.parent_death_signal:
+            _set_parent_death_signal(signal.SIGKILL)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="orphan-watchdog", daemon=True)
             self._thread.start()
@@ -88,3 +101,15 @@ class OrphanWatchdog:
                 log.error("orphaned worker exits", reason=reason, exit_code=self.exit_code)
                 self._exit(self.exit_code)
                 return
+
+
+def _set_parent_death_signal(sig: int) -> None:
+    """Best effort: a kernel without prctl (non-Linux) leaves only the polling thread."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        log.warning("PR_SET_PDEATHSIG unavailable; relying on the polling thread only")
+
+
+_PR_SET_PDEATHSIG = 1

@@ -104,25 +104,28 @@ class Launch:
             raise AssertionError(f"{self.name} never reached step {step}:\n{self.tail()}")
         return self.progress()  # type: ignore[return-value]
 
+    def records(self) -> list[dict]:
+        """Every JSON log line of the launch (all ranks), in order."""
+        return json_lines(self.log_path.read_text(errors="replace"))
+
     def events(self) -> list[dict]:
-        """Rank 0's progress lines from the log, in order."""
-        return progress_lines(self.log_path.read_text(errors="replace"))
+        """Rank 0's progress lines, in order."""
+        return [r for r in self.records() if r.get("kind") == "progress" and r.get("rank") == 0]
+
+    def exits(self) -> dict[int, dict]:
+        """Each rank's "worker exit" line (exit_code, step), by rank."""
+        return {r["rank"]: r for r in self.records() if r.get("event") == "worker exit"}
 
     def tail(self, chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
 
 
-def progress_lines(text: str) -> list[dict]:
+def json_lines(text: str) -> list[dict]:
     out = []
     for line in text.splitlines():
-        if not line.startswith("{"):
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if rec.get("kind") == "progress" and rec.get("rank") == 0:
-            out.append(rec)
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
     return out
 
 

@@ -117,10 +117,10 @@ def test_sigterm_to_one_worker_commits_the_agreed_step_and_loses_nothing(scenari
     stop = scenario["stop_step"]
     assert a_events[-1]["event"] == "stopped"
     assert max(e["step"] for e in a_events) == stop  # nothing ran past the agreed step
-    exits = [line for line in _log_records(scenario["a"]) if line.get("event") == "worker exit"]
-    assert sorted(e["rank"] for e in exits) == [0, 1]
-    assert {e["exit_code"] for e in exits} == {STOP_EXIT_CODE}
-    assert {e["step"] for e in exits} == {stop}
+    exits = scenario["a"].exits()
+    assert sorted(exits) == [0, 1]
+    assert {e["exit_code"] for e in exits.values()} == {STOP_EXIT_CODE}
+    assert {e["step"] for e in exits.values()} == {stop}
     resumed = b_events[0]
     assert (resumed["event"], resumed["step"], resumed["from_world_size"]) == ("resumed", stop, 2)
 
@@ -165,19 +165,6 @@ def test_optimizer_lr_after_resume_in_a_new_world(scenario, tmp_path, monkeypatc
         assert opt.param_groups[0]["momentum"] == MOMENTUM
     finally:
         tdist.shutdown()
-
-
-def _log_records(launch: Launch) -> list[dict]:
-    import json
-
-    out = []
-    for line in launch.log_path.read_text(errors="replace").splitlines():
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return out
 
 
 def _free_port() -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 
 from checkpointing import CheckpointManager
@@ -15,15 +14,6 @@ def _args(ckpt, *extra: str) -> list[str]:
             "--max-steps=100000", "--step-sleep=0.02", *extra]
 
 
-def _exits(launch: Launch) -> dict[int, dict]:
-    out = {}
-    for line in launch.log_path.read_text(errors="replace").splitlines():
-        if line.startswith("{") and '"worker exit"' in line:
-            rec = json.loads(line)
-            out[rec["rank"]] = rec
-    return out
-
-
 def test_peer_crash_rank0_commits_the_last_completed_step(tmp_path):
     ckpt = tmp_path / "ckpt"
     launch = Launch(tmp_path, "crash", 2, _args(ckpt, "--checkpoint-every-steps=1000")).start()
@@ -34,7 +24,7 @@ def test_peer_crash_rank0_commits_the_last_completed_step(tmp_path):
     finally:
         launch.kill()
     last_logged = max(e["step"] for e in launch.events())
-    exits = _exits(launch)
+    exits = launch.exits()
     assert exits[0]["exit_code"] == FAILURE_EXIT_CODE
     saved = CheckpointManager(ckpt, read_only=True).load_latest()
     # The survivor keeps every step it completed: nothing logged is lost.
@@ -53,7 +43,7 @@ def test_stop_file_drains_like_sigterm(tmp_path):
         launch.kill()
     stopped = launch.events()[-1]
     assert stopped["event"] == "stopped" and stopped["stop_reason"].startswith("stop file")
-    assert {e["exit_code"] for e in _exits(launch).values()} == {STOP_EXIT_CODE}
+    assert {e["exit_code"] for e in launch.exits().values()} == {STOP_EXIT_CODE}
     assert CheckpointManager(ckpt, read_only=True).latest_step() == stopped["step"]
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
 import time
 
 import psutil
+import pytest
 
 from elasticd import proctree
 from trainer.exitcodes import ORPHAN_EXIT_CODE
@@ -29,7 +31,8 @@ def test_orphaned_when_reparented_or_daemon_gone():
 def test_thread_exits_with_the_orphan_code():
     exits = []
     ppid = [100]
-    dog = OrphanWatchdog(interval_s=0.01, getppid=lambda: ppid[0], exit_fn=exits.append)
+    dog = OrphanWatchdog(interval_s=0.01, getppid=lambda: ppid[0], exit_fn=exits.append,
+                         parent_death_signal=False)  # not on pytest itself
     dog.start()
     ppid[0] = 1
     assert proctree.wait_for(lambda: exits, 2)
@@ -55,32 +58,35 @@ _AGENT = textwrap.dedent("""
 _WORKER = textwrap.dedent("""
     import time
     from trainer.watchdog import OrphanWatchdog
-    OrphanWatchdog(daemon_pid={daemon}).start()
+    OrphanWatchdog(daemon_pid={daemon}, parent_death_signal={pdeathsig}).start()
     time.sleep(60)
 """)
 
 
-def _start(daemon_pid: int | None) -> tuple[subprocess.Popen, psutil.Process]:
-    agent = subprocess.Popen([sys.executable, "-c", _AGENT, _WORKER.format(daemon=daemon_pid)],
-                             stdout=subprocess.PIPE, text=True)
+def _start(daemon_pid: int | None, pdeathsig: bool) -> tuple[subprocess.Popen, psutil.Process]:
+    worker = _WORKER.format(daemon=daemon_pid, pdeathsig=pdeathsig)
+    agent = subprocess.Popen([sys.executable, "-c", _AGENT, worker], stdout=subprocess.PIPE,
+                             text=True)
     worker = psutil.Process(int(agent.stdout.readline()))
     time.sleep(0.5)  # let the worker import and start its watchdog
     assert worker.is_running()
     return agent, worker
 
 
-def test_worker_exits_within_a_second_of_its_agents_sigkill():
-    agent, worker = _start(None)
+@pytest.mark.parametrize("pdeathsig, code", [(True, -signal.SIGKILL), (False, ORPHAN_EXIT_CODE)])
+def test_worker_exits_within_a_second_of_its_agents_sigkill(pdeathsig, code):
+    """The kernel's parent-death signal is first; the polling thread alone also does it."""
+    agent, worker = _start(None, pdeathsig)
     agent.kill()
     agent.wait()
     started = time.monotonic()
-    assert worker.wait(5) == ORPHAN_EXIT_CODE  # the subreaper (pytest) adopted it
+    assert worker.wait(5) == code  # the subreaper (pytest) adopted it
     assert time.monotonic() - started < 1.5
 
 
 def test_worker_exits_within_a_second_of_the_daemons_death():
     daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    agent, worker = _start(daemon.pid)
+    agent, worker = _start(daemon.pid, pdeathsig=True)
     try:
         daemon.kill()  # left unreaped for a while: a zombie daemon counts as dead
         started = time.monotonic()

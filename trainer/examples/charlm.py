@@ -13,12 +13,12 @@ that the trainer reseeds, so resumes stay reproducible.
 from __future__ import annotations
 
 import random
-import sys
 
 import torch
 from torch import nn
 
 from trainer.examples import common
+from trainer.exitcodes import exit_worker
 
 SUBJECTS = ["the cat", "a dog", "my neighbour", "the old sailor", "every student", "a robot"]
 VERBS = ["sees", "likes", "builds", "paints", "forgets", "follows", "repairs"]
@@ -95,4 +95,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_worker(main())

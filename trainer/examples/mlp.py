@@ -9,12 +9,11 @@ oracle of the tests) builds the same dataset without sharing files.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch import nn
 
 from trainer.examples import common
+from trainer.exitcodes import exit_worker
 
 
 def make_data(n: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,4 +54,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_worker(main())
