@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -12,10 +13,12 @@ import pytest
 @pytest.mark.timeout(600)
 def test_demo_runs_recovers_and_draws(tmp_path):
     out = tmp_path / "out"
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     result = subprocess.run(
         [sys.executable, "-m", "elasticd", "demo", "--steps", "60", "--crash-at", "20",
          "--rejoin-after", "3", "--out", str(out)],
-        capture_output=True, text=True, timeout=580)
+        capture_output=True, text=True, timeout=580, env=dict(os.environ, TMPDIR=str(scratch)))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["completed"] and summary["recovery_s"] > 0 and summary["rejoin_s"] > 0
@@ -23,4 +26,4 @@ def test_demo_runs_recovers_and_draws(tmp_path):
     png = out / "timeline.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     assert "recovery (crash -> first step at world size 2)" in result.stdout
-    assert not list(tmp_path.glob("elasticd-demo-*")), "temp files left"
+    assert not list(scratch.iterdir()), "the demo left temp files"
