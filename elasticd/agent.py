@@ -30,6 +30,7 @@ class RunFiles:
     """Per-daemon files shared with the workers."""
 
     run_dir: Path
+    log_dir: Path | None = None
 
     @property
     def progress(self) -> Path:
@@ -41,7 +42,7 @@ class RunFiles:
 
     @property
     def agent_log(self) -> Path:
-        return self.run_dir / "agent.log"
+        return (self.log_dir or self.run_dir) / "agent.log"
 
 
 def torchrun_command(config: Config, nproc: int) -> list[str]:

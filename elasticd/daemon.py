@@ -39,6 +39,9 @@ from elasticd.supervisor import Action, Decision, Phase, Policy, View, decide, r
 log = structlog.get_logger("elasticd.daemon")
 
 TICK_S = 0.05
+# Exit status of a node marked failed (crash loop): the unit's RestartPreventExitStatus
+# lists it, so systemd does not restart a node whose script keeps crashing.
+FAILED_EXIT_CODE = 3
 JOB_STATE_EVERY_S = 1.0
 CHECKPOINT_EVERY_S = 2.0
 CONFIRM_TIMEOUT_S = 0.5
@@ -58,7 +61,8 @@ class Daemon:
         self.keys = JobKeys(config.job.id, config.etcd.key_prefix)
         self.node_id = config.node.id
         run_dir = config.node.run_dir or tempfile.mkdtemp(prefix=f"elasticd-{self.node_id}-")
-        self.files = RunFiles(Path(run_dir))
+        log_dir = Path(config.node.log_dir) if config.node.log_dir else None
+        self.files = RunFiles(Path(run_dir), log_dir)
         self.files.run_dir.mkdir(parents=True, exist_ok=True)
         self.policy = _policy(config)
         self.notifier = notifier or SystemdNotifier()
@@ -99,7 +103,9 @@ class Daemon:
                 time.sleep(TICK_S)
         finally:
             self._shutdown()
-        return 1 if self.phase is Phase.FAILED or self.hard_stop else 0
+        if self.phase is Phase.FAILED:
+            return FAILED_EXIT_CODE
+        return 1 if self.hard_stop else 0
 
     def _connect(self) -> None:
         self.client = EtcdClient(self.config.etcd.settings(retry_s=30.0))

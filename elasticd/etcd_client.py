@@ -277,10 +277,6 @@ class EtcdClient:
             return found, response.header.revision
         return self._call(op)
 
-    def revision(self) -> int:
-        """The cluster's current revision."""
-        return int(self._call(lambda c: c.get_response("\0").header.revision))
-
     def put(self, key: str, value: bytes, lease: int | None = None) -> None:
         self._call(lambda c: c.put(key, value, lease=lease))
 
