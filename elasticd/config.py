@@ -63,22 +63,17 @@ class JobConfig:
 
 
 @dataclass(frozen=True)
-class EtcdConfig:
-    endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
-    ca_cert: str | None = None
-    cert: str | None = None
-    key: str | None = None
-    user: str | None = None
-    password: str | None = field(default=None, repr=False)
-    timeout_s: float = 5.0
+class EtcdConfig(EtcdSettings):
+    """``[etcd]``: how to reach etcd (validated by ``EtcdSettings``) and the key prefix."""
+
     key_prefix: str = "/elasticd"
 
-    def __post_init__(self) -> None:
-        self.settings()  # the adapter validates endpoints, TLS files and auth
-
-    def settings(self, retry_s: float = 10.0) -> EtcdSettings:
-        return EtcdSettings(self.endpoints, self.ca_cert, self.cert, self.key, self.user,
-                            self.password, self.timeout_s, retry_s)
+    def settings(self, retry_s: float | None = None) -> EtcdSettings:
+        """The connection settings alone, optionally with another retry budget."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(EtcdSettings)}
+        if retry_s is not None:
+            values["retry_s"] = retry_s
+        return EtcdSettings(**values)
 
     def rdzv_endpoint(self) -> str:
         return ",".join("{}:{}".format(*parse_endpoint(e)) for e in self.endpoints)
