@@ -163,9 +163,22 @@ def barrier() -> None:
         raise CollectiveError(f"barrier failed (a peer is gone?): {exc}") from exc
 
 
-def shutdown() -> None:
-    """Leave the process group, if any (errors ignored: the peers may be gone already)."""
+# Objects whose destructors must never run in the training thread; see shutdown().
+_RETAINED: list[object] = []
+
+
+def shutdown(*keep: object) -> None:
+    """Leave the process group, keeping it (and ``keep``, e.g. the DDP model) alive until exit.
+
+    Why keep them: destroying a gloo process group joins its worker threads while the
+    caller holds the GIL, and a worker thread still releasing a finished collective's
+    tensors needs the GIL: a deadlock (measured: about one run in six hung after the
+    final barrier, in ``~Reducer`` -> ``~ProcessGroupGloo`` -> ``thread::join``).
+    End the process with ``exit_worker`` so those destructors never run.
+    """
+    _RETAINED.extend(keep)
     if dist.is_initialized():
+        _RETAINED.append(dist.group.WORLD)
         try:
             dist.destroy_process_group()
         except Exception as exc:  # noqa: BLE001 - best effort on the way out

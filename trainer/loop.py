@@ -157,7 +157,7 @@ class ElasticTrainer:
                 self.checkpoints.close()  # an in-flight periodic save still commits
             except Exception as exc:  # noqa: BLE001 - report, the exit code says the rest
                 log.error("checkpoint write failed", error=str(exc))
-        tdist.shutdown()
+        tdist.shutdown(self.ddp)
 
     # -- resume --------------------------------------------------------------------------
 
