@@ -82,11 +82,43 @@ class TrainConfig:
             raise ConfigError(f"step_sleep_s={self.step_sleep_s} must be >= 0")
 
 
+def checkpoint_due(
+    step: int, since_last_s: float, every_steps: int | None, every_s: float | None
+) -> bool:
+    """Whether rank 0 saves after ``step``: every N steps and/or every T seconds.
+
+    Rank 0 decides alone (only it writes), so a time-based cadence needs no agreement.
+    """
+    by_steps = every_steps is not None and step % every_steps == 0
+    by_time = every_s is not None and since_last_s >= every_s
+    return by_steps or by_time
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor (in nested tuples, lists and dicts) moved to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def dataset_batch_fn(dataset: Any, collate_fn: Callable[[list], Any] | None = None) -> BatchFn:
+    """A ``batch_fn`` for any map-style dataset: ``collate_fn([dataset[i] for i in indices])``."""
+    from torch.utils.data import default_collate
+
+    collate = collate_fn or default_collate
+    return lambda indices: collate([dataset[int(i)] for i in indices])
+
+
 class ElasticTrainer:
     """Runs the loop described in the module docstring; one instance per worker process.
 
     ``batch_fn(indices)`` returns the batch for an array of dataset indices (this
-    rank's micro-batch). ``loss_fn(model, batch)`` returns *per-sample* losses
+    rank's micro-batch; ``dataset_batch_fn`` adapts a map-style Dataset); its tensors
+    are moved to the worker's device. ``loss_fn(model, batch)`` returns *per-sample* losses
     (``reduction="none"``; extra dims are averaged per sample): the loop forms the
     mean over the step's global batch itself, exactly, whatever the split.
     ``lr_schedule(step)`` is an optional multiplier of the configured LRs.
@@ -213,7 +245,7 @@ class ElasticTrainer:
             n, loss_sum = self._step()
             stop, loss_total = tdist.step_boundary(self.stop.requested(), loss_sum, self.device)
             self.loss = loss_total / n
-            if stop:
+            if stop and not self._complete():  # a stop at the last step is a completion
                 self._report("step")  # every step done gets its line; "stopped" follows
                 return self._stop()
             saved = self._periodic_checkpoint()
@@ -268,7 +300,8 @@ class ElasticTrainer:
         return loss_sum
 
     def _losses(self, batch_idx: np.ndarray) -> torch.Tensor:
-        losses = self.loss_fn(self.ddp, self.batch_fn(batch_idx))
+        batch = to_device(self.batch_fn(batch_idx), self.device)
+        losses = self.loss_fn(self.ddp, batch)
         if losses.dim() == 0:
             raise ConfigError(
                 "loss_fn returned a scalar; return per-sample losses (e.g. "
@@ -281,10 +314,8 @@ class ElasticTrainer:
     def _periodic_checkpoint(self) -> bool:
         if self.checkpoints is None or not self.ctx.is_rank0:
             return False
-        every_n, every_s = self.ctx.checkpoint_every_steps, self.ctx.checkpoint_every_s
-        due = (every_n is not None and self.state.step % every_n == 0) or (
-            every_s is not None and time.monotonic() - self._last_save >= every_s
-        )
+        due = checkpoint_due(self.state.step, time.monotonic() - self._last_save,
+                             self.ctx.checkpoint_every_steps, self.ctx.checkpoint_every_s)
         if due:
             self._save("periodic", blocking=False)
         return due

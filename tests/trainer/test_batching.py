@@ -39,3 +39,4 @@ def test_shares_differ_by_at_most_one_and_cover_the_step():
 def test_micro_batches_cover_the_share():
     parts = micro_batches(np.arange(7), 3)
     assert [p.tolist() for p in parts] == [[0, 1, 2], [3, 4], [5, 6]]
+
