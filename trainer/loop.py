@@ -265,7 +265,7 @@ class ElasticTrainer:
         st, ctx = self.state, self.ctx
         indices = st.sampler.next_indices(self.plan.global_batch)
         mine = shard(indices, ctx.world_size, ctx.rank)
-        st.lrs_used = self._apply_lr()
+        lrs = self._apply_lr()
         if self.config.reseed_each_step:
             torch.manual_seed(step_seed(self.config.seed, st.step, ctx.rank))
         st.optimizer.zero_grad(set_to_none=True)
@@ -275,6 +275,7 @@ class ElasticTrainer:
         # succeeded), which is what makes a checkpoint after a later failure consistent.
         st.sampler.advance(len(indices))
         st.step += 1
+        st.lrs_used = lrs
         return len(indices), loss_sum
 
     def _accumulate(self, micro: Sequence[np.ndarray], n_global: int, filler: int) -> float:

@@ -43,7 +43,13 @@ class StopRequest:
         self._previous: dict[int, object] = {}
 
     def install(self) -> StopRequest:
-        """Catch SIGTERM/SIGINT (main thread only); a second SIGINT interrupts at once."""
+        """Catch SIGTERM/SIGINT; a second SIGINT interrupts at once.
+
+        Python delivers signals to the main thread only: elsewhere this installs
+        nothing and only the stop file (and peers' stops) can stop this worker.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return self
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
