@@ -11,8 +11,10 @@ that starts with one save:
               the background write competing with training for the CPU
     floor     copy of the state into preallocated buffers (the least a consistent
               snapshot can cost)
+    async_nice_N  (with --extra-nice N,...) async with another writer_nice, to compare
 
-stall = median(window time of the method) - median(window time of none). K is chosen so
+stall = window time of the method - mean of the baseline windows just before and after
+it; medians over repetitions. K is chosen so
 the background write finishes inside the window (the final wait() is included, so a write
 that does not finish would be counted). Methods are interleaved within each repetition so
 that drift of the machine hits all of them alike.
@@ -42,7 +44,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from checkpointing import CheckpointManager  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-METHODS = ("none", "floor", "async", "sync", "blocking")
 SHAPES = {10: (1024, 10), 100: (2048, 24)}  # millions of params -> (width, layers)
 
 
@@ -84,12 +85,26 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 class Methods:
     """The save methods under test; each returns when the training loop may go on."""
 
-    def __init__(self, work: Workload, directory: Path) -> None:
+    def __init__(self, work: Workload, directory: Path, extra_nice: list[int | None]) -> None:
         self.work = work
         self.directory = directory
-        self.manager = CheckpointManager(directory / "managed", keep_last=2)
+        self.managers = {"async": CheckpointManager(directory / "managed", keep_last=2)}
+        for nice in extra_nice:
+            self.managers[f"async_nice_{nice}"] = CheckpointManager(
+                directory / f"managed-{nice}", keep_last=2, writer_nice=nice)
+        self.names = ["none", "floor", *self.managers, "sync", "blocking"]
         self.floor_buffers = [torch.empty_like(t) for t in _tensors(work.state())]
         self.count = 0
+
+    def manager(self, name: str) -> CheckpointManager:
+        return self.managers.get(name, self.managers["async"])
+
+    def run(self, name: str) -> None:
+        if name in self.managers:
+            self.count += 1
+            self.managers[name].save(self.count, self.work.state(), blocking=False)
+        else:
+            getattr(self, name)()
 
     def none(self) -> None:
         pass
@@ -110,11 +125,11 @@ class Methods:
 
     def blocking(self) -> None:
         self.count += 1
-        self.manager.save(self.count, self.work.state(), blocking=True)
+        self.managers["async"].save(self.count, self.work.state(), blocking=True)
 
-    def run_async(self) -> None:
-        self.count += 1
-        self.manager.save(self.count, self.work.state(), blocking=False)
+    def close(self) -> None:
+        for manager in self.managers.values():
+            manager.close()
 
 
 def _cpu_busy() -> tuple[float, float]:
@@ -141,16 +156,16 @@ def timed_window(work: Workload, methods: Methods, name: str, steps: int,
                  quiet_wait: float) -> dict[str, float]:
     """Wall time of: one save by `name`, `steps` training steps, then wait() for the write."""
     busy_before = wait_for_quiet(quiet_wait)
-    action = methods.run_async if name == "async" else getattr(methods, name)
+    manager = methods.manager(name)
     writing_steps = 0
     start = time.perf_counter()
-    action()
+    methods.run(name)
     returned = time.perf_counter()
     for _ in range(steps):
         work.step()
-        writing_steps += methods.manager.writing
+        writing_steps += manager.writing
     before_wait = time.perf_counter()
-    methods.manager.wait()
+    manager.wait()
     end = time.perf_counter()
     return {"window": end - start, "call": returned - start, "final_wait": end - before_wait,
             "steps_with_write_running": writing_steps, "busy_before": busy_before}
@@ -164,26 +179,38 @@ def choose_steps(work: Workload, methods: Methods) -> tuple[int, float]:
         work.step()
         times.append(time.perf_counter() - t)
     step_time = statistics.median(times)
-    methods.run_async()  # also allocates the snapshot buffers (first save only)
-    started, steps = time.perf_counter(), 0
-    while methods.manager.writing:
-        work.step()
-        steps += 1
-    write_time = time.perf_counter() - started
-    return max(4, int(steps * 1.5) + 2), step_time if steps == 0 else write_time / steps
+    most = 0
+    for name in methods.managers:  # also allocates each manager's snapshot buffers
+        methods.run(name)
+        steps = 0
+        while methods.manager(name).writing:
+            work.step()
+            steps += 1
+        most = max(most, steps)
+    return max(4, int(most * 1.5) + 2), step_time
 
 
-def measure(millions: int, reps: int, root: Path, quiet_wait: float) -> dict[str, Any]:
+def measure(millions: int, reps: int, root: Path, quiet_wait: float,
+            extra_nice: list[int | None]) -> dict[str, Any]:
     work = Workload(millions)
     directory = Path(tempfile.mkdtemp(prefix=f"stall-{millions}m-", dir=root))
     try:
-        methods = Methods(work, directory)
+        methods = Methods(work, directory, extra_nice)
         steps, step_time = choose_steps(work, methods)
-        runs: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
+        runs: dict[str, list[dict[str, float]]] = {m: [] for m in methods.names}
         for _ in range(reps):
-            for name in METHODS:
-                runs[name].append(timed_window(work, methods, name, steps, quiet_wait))
-        methods.manager.close()
+            # none, A, none, B, ..., none: each save window is compared with the baseline
+            # windows right before and after it, which cancels slow drift of the machine.
+            previous = timed_window(work, methods, "none", steps, quiet_wait)
+            runs["none"].append(previous)
+            for name in methods.names[1:]:
+                window = timed_window(work, methods, name, steps, quiet_wait)
+                after = timed_window(work, methods, "none", steps, quiet_wait)
+                window["stall"] = window["window"] - (previous["window"] + after["window"]) / 2
+                runs[name].append(window)
+                runs["none"].append(after)
+                previous = after
+        methods.close()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return summarize(work, runs, steps, step_time)
@@ -199,17 +226,17 @@ def summarize(work: Workload, runs: dict[str, list[dict[str, float]]], steps: in
         "baseline_spread_seconds": round(noise, 4), "methods": {},
         "noisy_windows": sum(r["busy_before"] >= 0.15 for rs in runs.values() for r in rs),
     }
-    for name in METHODS[1:]:
-        stalls = [r["window"] - base for r in runs[name]]
+    for name in list(runs)[1:]:
+        stalls = [r["stall"] for r in runs[name]]
         out["methods"][name] = {
             "stall_seconds": round(statistics.median(stalls), 4),
             "stall_runs": [round(s, 4) for s in stalls],
             "call_seconds": round(statistics.median(r["call"] for r in runs[name]), 4),
             "final_wait_seconds": round(max(r["final_wait"] for r in runs[name]), 4),
+            "steps_with_write_running": max(r["steps_with_write_running"] for r in runs[name]),
         }
     floor = out["methods"]["floor"]["stall_seconds"]
-    for name in METHODS[1:]:
-        m = out["methods"][name]
+    for m in out["methods"].values():
         m["stall_over_floor"] = round(m["stall_seconds"] / floor, 2) if floor > 0 else None
     return out
 
@@ -223,15 +250,17 @@ def markdown(results: dict[str, Any]) -> str:
         "same steps without a save (background-write interference and the final wait "
         "included). floor = copy of the state into preallocated buffers.",
         "",
-        "| params | state | step | window | method | stall (s) | call (s) | stall / floor |",
-        "|---:|---:|---:|---:|---|---:|---:|---:|",
+        "| params | state | step | window | method | stall (s) | call (s) | stall / floor "
+        "| steps overlapping the write |",
+        "|---:|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
     for size in results["sizes"]:
         for name, m in size["methods"].items():
             lines.append(
                 f"| {size['params'] / 1e6:.1f}M | {size['state_bytes'] / 1e9:.2f} GB | "
                 f"{size['step_seconds']:.3f} s | {size['window_steps']} steps | {name} | "
-                f"{m['stall_seconds']:.3f} | {m['call_seconds']:.3f} | {m['stall_over_floor']} |"
+                f"{m['stall_seconds']:.3f} | {m['call_seconds']:.3f} | {m['stall_over_floor']} | "
+                f"{m['steps_with_write_running']} |"
             )
     for size in results["sizes"]:
         ratio = size["methods"]["async"]["stall_over_floor"]
@@ -252,17 +281,21 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where to write checkpoints (default: "
                         "a temporary directory under the results folder's disk)")
     parser.add_argument("--out", default=str(RESULTS / "checkpoint_stall"))
+    parser.add_argument("--extra-nice", default="",
+                        help="also measure async saves with these writer_nice values, e.g. "
+                        "'0,none' (the plain 'async' row uses the manager's default)")
     parser.add_argument("--quiet-wait", type=float, default=20.0,
                         help="seconds to wait before each window for other load to stop")
     args = parser.parse_args()
     root = Path(args.dir or tempfile.gettempdir())
+    extra = [None if v == "none" else int(v) for v in args.extra_nice.split(",") if v]
     torch.set_flush_denormal(True)  # Adam's tiny second moments otherwise slow steps 10x
     started = time.perf_counter()
     results = {
         "machine": f"{os.cpu_count()} CPUs, {platform.machine()}, {platform.platform()}",
         "torch": torch.__version__, "threads": torch.get_num_threads(), "reps": args.reps,
         "checkpoint_dir": str(root),
-        "sizes": [measure(int(s), args.reps, root, args.quiet_wait)
+        "sizes": [measure(int(s), args.reps, root, args.quiet_wait, extra)
                   for s in args.sizes.split(",")],
     }
     results["total_seconds"] = round(time.perf_counter() - started, 1)

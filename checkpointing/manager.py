@@ -18,7 +18,12 @@ import structlog
 import torch
 
 from . import layout
-from .errors import CheckpointConfigError, CheckpointNotFoundError, CorruptCheckpointError
+from .errors import (
+    CheckpointConfigError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+)
 from .manifest import validate_metadata
 from .reader import LoadedCheckpoint, load_verified, read_manifest, step_dirs_newest_first
 from .retention import Cleaner, StalePolicy
@@ -107,6 +112,11 @@ class CheckpointManager:
         Raises CheckpointConfigError for bad values, StorageError if not writable.
         """
         _check_config(keep_last, stale_temp_seconds, writer_nice)
+        if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
+            raise CheckpointConfigError(
+                f"world_size={world_size!r} must be an int >= 1, or None to take it from "
+                "torch.distributed or $WORLD_SIZE"
+            )
         self.keep_last = keep_last
         self.directory = os.fspath(directory)
         self.storage: Storage = storage if storage is not None else LocalStorage(directory)
@@ -134,7 +144,7 @@ class CheckpointManager:
     ) -> None:
         """Save `state` as checkpoint `step`.
 
-        blocking=True returns once the checkpoint is committed (durable and verified-able).
+        blocking=True returns once the checkpoint is committed (durable, checksummed).
         blocking=False returns once the state is copied to host memory; the write runs in
         the background. At most one write is in flight: a save first waits for the previous
         one. An error of a background write is raised by the next save() or wait() (this
@@ -178,8 +188,14 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # an exception is on its way out: do not replace it with a write error
+            self.close()
+        except CheckpointError as exc:
+            log.error("checkpoint_failed_during_exit", error=str(exc))
 
     def _write(self, step: int, tree: Any, world_size: int, meta: dict[str, Any]) -> None:
         started = time.monotonic()

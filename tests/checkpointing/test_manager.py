@@ -227,6 +227,19 @@ def test_context_manager_waits(tmp_path):
     assert CheckpointManager(tmp_path).latest_step() == 1
 
 
+def test_exit_on_an_exception_does_not_hide_it(tmp_path):
+    storage = FaultyStorage(tmp_path)
+    with (
+        pytest.raises(KeyError, match="training failed"),
+        structlog.testing.capture_logs() as logs,
+        CheckpointManager(tmp_path, storage=storage) as manager,
+    ):
+        storage.space_left = 100
+        manager.save(1, make_state(1), blocking=False)
+        raise KeyError("training failed")
+    assert "checkpoint_failed_during_exit" in [e["event"] for e in logs]
+
+
 def test_interpreter_exit_finishes_the_in_flight_write(tmp_path):
     code = (
         "import sys, torch; sys.path.insert(0, sys.argv[2]);"
@@ -257,7 +270,8 @@ def test_keep_last_below_two_says_how_to_fix(tmp_path):
     ("option", "message"),
     [({"writer_nice": 25}, "writer_nice=25 must be an int from 0"),
      ({"writer_nice": -1}, "writer_nice=-1"),
-     ({"stale_temp_seconds": 0}, "stale_temp_seconds=0 must be > 0")],
+     ({"stale_temp_seconds": 0}, "stale_temp_seconds=0 must be > 0"),
+     ({"world_size": 0}, "world_size=0 must be an int >= 1")],
 )
 def test_bad_options(tmp_path, option, message):
     with pytest.raises(CheckpointConfigError, match=message):
