@@ -38,6 +38,7 @@ _LAZY = {
     "ProgressReporter": "trainer.progress",
     "ElasticTrainer": "trainer.loop",
     "TrainConfig": "trainer.loop",
+    "dataset_batch_fn": "trainer.loop",
     "configure_logging": "trainer.logs",
 }
 

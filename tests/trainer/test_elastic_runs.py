@@ -40,23 +40,28 @@ def scenario(tmp_path_factory):
     work = tmp_path_factory.mktemp("elastic")
     ckpt = work / "ckpt"
     slow = ["--max-steps=100000", "--step-sleep=0.03"]
-    a = Launch(work, "a", 2, _args(ckpt, *slow)).start()
+    launches: list[Launch] = []
     try:
+        a = _started(launches, Launch(work, "a", 2, _args(ckpt, *slow)))
         a.wait_step(9)
         a.signal_worker(1, signal.SIGTERM)
         assert a.wait(60) != 0  # torchrun reports the workers' exit 75 as a failure
         stop_step = a.events()[-1]["step"]
-        b = Launch(work, "b", 1, _args(ckpt, *slow)).start()
+        b = _started(launches, Launch(work, "b", 1, _args(ckpt, *slow)))
         b.wait_step(stop_step + 12)
         b.kill()
         final = stop_step + 30
-        c = Launch(work, "c", 2, _args(ckpt, f"--max-steps={final}"))
-        assert c.run(90) == 0, c.tail()
+        c = _started(launches, Launch(work, "c", 2, _args(ckpt, f"--max-steps={final}")))
+        assert c.wait(90) == 0, c.tail()
     finally:
-        for launch in (a, locals().get("b"), locals().get("c")):
-            if launch is not None:
-                launch.kill()
+        for launch in launches:
+            launch.kill()
     return {"a": a, "b": b, "c": c, "ckpt": ckpt, "final": final, "stop_step": stop_step}
+
+
+def _started(launches: list[Launch], launch: Launch) -> Launch:
+    launches.append(launch)
+    return launch.start()
 
 
 def step_history(launches: list[Launch]) -> dict[int, tuple[int, float]]:

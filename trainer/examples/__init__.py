@@ -1,0 +1,1 @@
+"""Example training scripts (run them with torchrun); they share ``common``."""
