@@ -10,6 +10,7 @@ daemon, as child subreaper, adopts and kills any worker an agent leaves behind.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -39,6 +40,11 @@ class RunFiles:
     @property
     def stop(self) -> Path:
         return self.run_dir / "stop"
+
+    @property
+    def tmp(self) -> Path:
+        """TMPDIR of the agent and workers: torchrun leaves a torchelastic_* dir per start."""
+        return self.run_dir / "tmp"
 
     @property
     def agent_log(self) -> Path:
@@ -96,6 +102,7 @@ def worker_env(config: Config, files: RunFiles, base: dict[str, str] | None = No
         # Publish MASTER_ADDR/PORT afresh every round (see rendezvous/handler.py).
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "PYTHONUNBUFFERED": "1",
+        "TMPDIR": str(files.tmp),
     })
     # 0 means "not by this measure": leave the variable unset rather than pass 0.
     if ckpt.every_steps:
@@ -122,6 +129,9 @@ class AgentProcess:
 
     def start(self) -> int:
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(self._env["TMPDIR"])
+        shutil.rmtree(tmp, ignore_errors=True)  # the previous agent's leftovers
+        tmp.mkdir(parents=True, exist_ok=True)
         with open(self._log_path, "ab") as out:
             self.proc = subprocess.Popen(self._command, env=self._env, stdout=out,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

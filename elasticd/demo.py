@@ -168,9 +168,14 @@ class Demo:
         return next(n for n in self.nodes if (n.progress() or {}).get("rank") != 0)
 
     def _resumed_step(self, nodes: list[LocalNode], since: float) -> int | None:
+        """The step the new world resumed from: its workers' "resumed" log line, else the
+        step before the first one sampled at world size 2."""
         steps = [e["step"] for n in nodes for e in n.worker_events("resumed")
                  if e.get("time", 0) - self.t0 > since]
-        return min(steps, default=None)
+        if steps:
+            return min(steps)
+        sampled = [s.step for s in self.timeline.samples if s.t > since and s.world_size == 2]
+        return min(sampled) - 1 if sampled else None
 
     def _mark(self, t: float, label: str) -> None:
         self.timeline.marks.append((t, label))

@@ -21,8 +21,8 @@ def test_demo_runs_recovers_and_draws(tmp_path):
         capture_output=True, text=True, timeout=580, env=dict(os.environ, TMPDIR=str(scratch)))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["completed"] and summary["recovery_s"] > 0 and summary["rejoin_s"] > 0
-    assert 0 <= summary["steps_lost"] <= 25     # checkpoints every 25 steps
+    assert summary["completed"] and summary["recovery_s"] > 0 and summary["rejoin_s"] > 0, summary
+    assert summary["steps_lost"] is not None and 0 <= summary["steps_lost"] <= 25, summary
     png = out / "timeline.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     assert "recovery (crash -> first step at world size 2)" in result.stdout
