@@ -47,13 +47,19 @@ class RunFiles:
         return self.run_dir / "tmp"
 
     @property
+    def torchrun_logs(self) -> Path:
+        """torchrun's --log-dir: the workers' error files (tracebacks of failed workers)."""
+        return (self.log_dir or self.run_dir) / "torchrun"
+
+    @property
     def agent_log(self) -> Path:
         return (self.log_dir or self.run_dir) / "agent.log"
 
 
-def torchrun_command(config: Config, nproc: int) -> list[str]:
-    job, _rdzv = config.job, config.rendezvous
+def torchrun_command(config: Config, nproc: int, log_dir: Path | None = None) -> list[str]:
+    job = config.job
     python = job.python or sys.executable
+    logs = [f"--log-dir={log_dir}"] if log_dir else []
     return [
         python, "-m", "torch.distributed.run",
         "--rdzv-backend=etcd3",
@@ -65,6 +71,7 @@ def torchrun_command(config: Config, nproc: int) -> list[str]:
         f"--max-restarts={config.supervisor.worker_restarts}",
         f"--monitor-interval={config.supervisor.monitor_interval_s}",
         f"--local-addr={config.node.addr}",
+        *logs,
         *job.entrypoint,
     ]
 
@@ -113,6 +120,15 @@ def worker_env(config: Config, files: RunFiles, base: dict[str, str] | None = No
         env["ELASTICD_ETCD_USER"] = config.etcd.user
         env["ELASTICD_ETCD_PASSWORD"] = config.etcd.password or ""
     return env
+
+
+def prune_log_dirs(parent: Path, keep: int = 5) -> None:
+    """torchrun makes one log dir per agent start: keep only the newest ``keep``."""
+    if not parent.is_dir():
+        return
+    dirs = sorted((d for d in parent.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime)
+    for old in dirs[:-keep] if keep else dirs:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 class AgentProcess:

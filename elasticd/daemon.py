@@ -22,7 +22,7 @@ from typing import Any
 import structlog
 
 from elasticd import __version__, proctree
-from elasticd.agent import AgentProcess, RunFiles, torchrun_command, worker_env
+from elasticd.agent import AgentProcess, RunFiles, prune_log_dirs, torchrun_command, worker_env
 from elasticd.config import RELOADABLE, Config, load_config
 from elasticd.errors import ElasticdError, EtcdError
 from elasticd.etcd_client import EtcdClient, no_retry
@@ -31,7 +31,7 @@ from elasticd.membership import Membership, Peer
 from elasticd.metrics import Metrics
 from elasticd.preemption import Notice, PreemptionWatcher
 from elasticd.probe import Liveness, Prober, ProbeServer, probe
-from elasticd.rendezvous import admin
+from elasticd.rendezvous import admin, state_ops
 from elasticd.rendezvous.keys import JobKeys
 from elasticd.sdnotify import SystemdNotifier, WatchdogGate
 from elasticd.supervisor import Action, Decision, Phase, Policy, View, decide, restart_cause
@@ -77,6 +77,7 @@ class Daemon:
         self.hard_stop = False
         self.dead: dict[str, Peer] = {}
         self.job_state: str | None = None
+        self.round: int | None = None
         self.completed_seen_at: float | None = None
         self._job_state_read_at = float("-inf")
         self.progress: dict[str, Any] = {}
@@ -217,7 +218,7 @@ class Daemon:
         self._last_reason = decision.reason
         self.notifier.status(self._status_line())
         self.log.info(decision.reason, action=decision.action.value, phase=decision.phase.value,
-                      round=self.progress.get("round"), world_size=self.progress.get("world_size"),
+                      round=self.round, world_size=self.progress.get("world_size"),
                       step=self.progress.get("step"))
 
     # -- SIGHUP -------------------------------------------------------------------------
@@ -253,9 +254,11 @@ class Daemon:
         drain_key = self.keys.drain(self.node_id)
         try:
             with no_retry():
-                found, _ = self.client.get_many([self.keys.state, drain_key])
+                found, _ = self.client.get_many([self.keys.state, drain_key, self.keys.rdzv_state])
         except EtcdError:
             return
+        rdzv = found.get(self.keys.rdzv_state)
+        self.round = state_ops.view(rdzv.value).round if rdzv else None
         kv = found.get(self.keys.state)
         self.job_state = json.loads(kv.value).get("state") if kv else None
         if drain_key in found:
@@ -358,7 +361,9 @@ class Daemon:
 
     def _do_start_agent(self, decision: Decision) -> None:
         self.files.stop.unlink(missing_ok=True)
-        command = torchrun_command(self.config, self.config.job.resolved_nproc())
+        prune_log_dirs(self.files.torchrun_logs)
+        command = torchrun_command(self.config, self.config.job.resolved_nproc(),
+                                   self.files.torchrun_logs)
         self.agent = AgentProcess(command, worker_env(self.config, self.files), self.files.agent_log,
                                   clock=self.clock)
         pid = self.agent.start()

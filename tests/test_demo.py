@@ -27,3 +27,24 @@ def test_demo_runs_recovers_and_draws(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     assert "recovery (crash -> first step at world size 2)" in result.stdout
     assert not list(scratch.iterdir()), "the demo left temp files"
+
+
+@pytest.mark.timeout(300)
+def test_demo_ctrl_c_cleans_up(tmp_path):
+    import signal
+    import time
+
+    from elasticd import proctree
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    demo = subprocess.Popen([sys.executable, "-m", "elasticd", "demo", "--out", str(tmp_path / "out")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, TMPDIR=str(scratch), PYTHONUNBUFFERED="1"))
+    assert "starting 3 nodes" in demo.stdout.readline() + demo.stdout.readline()
+    time.sleep(8)                                    # daemons, agents and workers are up
+    assert len(proctree.descendants(demo.pid)) >= 6
+    demo.send_signal(signal.SIGINT)
+    out, _ = demo.communicate(timeout=120)
+    assert demo.returncode != 0 and "interrupted; every process and temp file was removed" in out, out
+    assert not list(scratch.iterdir()), "the demo left temp files"
