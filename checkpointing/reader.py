@@ -94,17 +94,26 @@ def verify_files(storage: Storage, directory: str, manifest: Manifest) -> None:
 
 
 def load_state(storage: Storage, directory: str, manifest: Manifest, map_location: Any) -> Any:
-    """torch.load with weights_only=True: tensors and plain containers, never arbitrary code."""
+    """torch.load with weights_only=True: tensors and plain containers, never arbitrary code.
+
+    A local file is memory-mapped: verification has just read it into the page cache, so
+    this costs no second read and no copy (CPU tensors are private, copy-on-write views of
+    the file; committed files are never modified, and a deleted one stays mapped).
+    """
     where = storage.describe(directory)
     if len(manifest.files) != 1:  # format version 1 writes exactly one data file
         raise CorruptCheckpointError(where, f"{len(manifest.files)} data files, expected 1")
     (name,) = manifest.files
     path = f"{directory}/{name}"
     where = storage.describe(path)
+    local = storage.local_path(path)
     try:
+        if local is not None:
+            return torch.load(local, map_location=map_location, weights_only=True, mmap=True)
         with storage.open_read(path) as f:
             return torch.load(f, map_location=map_location, weights_only=True)
-    except (StorageError, pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
+    except (StorageError, OSError, pickle.UnpicklingError, RuntimeError, EOFError,
+            ValueError) as exc:
         raise CorruptCheckpointError(where, f"torch.load failed: {exc}") from exc
 
 

@@ -99,6 +99,11 @@ class Storage(Protocol):
         """A human-readable location of `path` (for logs and error messages)."""
         ...
 
+    def local_path(self, path: str) -> str | None:
+        """A filesystem path of `path` that may be memory-mapped, or None (then readers use
+        open_read). Files are never modified after commit, so a mapping stays valid."""
+        ...
+
     def check_writable(self) -> None:
         """Create the root if needed and prove a write works, or raise StorageError."""
         ...
@@ -137,6 +142,23 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+_WRITE_BEHIND_BYTES = 64 << 20
+
+
+def _drop_cached_pages(fd: int) -> None:
+    """Evict a file's clean pages from the page cache and start writeback of dirty ones.
+
+    Checkpoints are read back only on restart, and growing the cache by GBs per save costs
+    the writer more CPU than hashing (page allocation: measured 2.7 s of system time for
+    1.2 GB when the cache grows, 0.3 s when its pages are recycled), besides the memory.
+    Called every _WRITE_BEHIND_BYTES while writing, it keeps the file's cache footprint to
+    a few windows (pages written back by the previous call are clean by the next one).
+    """
+    if hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
 class _LocalAtomicWrite:
     """Temp file in the target's directory -> write -> fsync -> rename -> fsync directory."""
 
@@ -147,6 +169,7 @@ class _LocalAtomicWrite:
         with _translated("create", self._label):
             self._file = open(self._temp, "xb", buffering=0)  # noqa: SIM115 - closed in commit/abort
         self._done = False
+        self._size = self._dropped_at = 0
         _hooks.phase("write.opened", label)
 
     def write(self, data: bytes | memoryview) -> int:
@@ -155,6 +178,10 @@ class _LocalAtomicWrite:
             while view:  # unbuffered writes may be short
                 written = self._file.write(view)
                 view = view[written:]
+        self._size += len(data)
+        if self._size - self._dropped_at >= _WRITE_BEHIND_BYTES:
+            _drop_cached_pages(self._file.fileno())
+            self._dropped_at = self._size
         _hooks.phase("write.data", self._label)
         return len(data)
 
@@ -164,6 +191,7 @@ class _LocalAtomicWrite:
         try:
             with _translated("commit", self._label):
                 os.fsync(self._file.fileno())
+                _drop_cached_pages(self._file.fileno())
                 self._file.close()
                 _hooks.phase("write.fsynced", self._label)
                 os.replace(self._temp, self._final)
@@ -202,6 +230,9 @@ class LocalStorage:
         return self.root / path if path else self.root
 
     def describe(self, path: str = "") -> str:
+        return str(self._p(path))
+
+    def local_path(self, path: str) -> str | None:
         return str(self._p(path))
 
     def check_writable(self) -> None:

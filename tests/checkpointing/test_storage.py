@@ -7,8 +7,10 @@ import os
 
 import pytest
 
-from checkpointing import LocalStorage, Storage, StorageNotFoundError
+from checkpointing import CheckpointManager, LocalStorage, Storage, StorageNotFoundError
 from checkpointing.layout import TEMP_PREFIX
+
+from .helpers import assert_same, make_state
 
 
 def test_local_storage_is_a_storage(tmp_path):
@@ -52,3 +54,17 @@ def test_errors_are_translated(tmp_path):
     assert info.value.errno == 2 and "no/such/dir/f" in str(info.value)
     with pytest.raises(StorageNotFoundError):
         storage.size("missing")
+
+
+class StreamOnly(LocalStorage):
+    """A storage that cannot be memory-mapped (like an object store)."""
+
+    def local_path(self, path):
+        return None
+
+
+def test_checkpoints_load_through_streams_when_mmap_is_unavailable(tmp_path):
+    manager = CheckpointManager(tmp_path, storage=StreamOnly(tmp_path))
+    manager.save(1, make_state(1), blocking=False)
+    manager.wait()
+    assert_same(manager.load_latest().state, make_state(1))
