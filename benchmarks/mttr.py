@@ -1,0 +1,881 @@
+"""Mean time to recovery: plain torchrun (c10d, defaults and tuned) vs elasticd, side by side.
+
+Systems (3 nodes on loopback, 1 CPU worker each, the same training script everywhere:
+``trainer/examples/mlp.py --max-steps 1000000 --step-sleep 0.05``, a shared checkpoint
+directory written every 20 steps, one progress file per node):
+
+    a  torchrun, c10d rendezvous hosted by node 0's agent (``is_host``), torch's defaults
+       (``--nnodes=2:3 --max-restarts=100``, default monitor interval)
+    b  the same, tuned: ``last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2``
+       and ``--monitor-interval=0.1``
+    c  elasticd: 3 real daemons (``python -m elasticd run``; min 2, max 3 nodes, lease TTL 5 s)
+       against a real etcd (``EmbeddedEtcd``)
+
+Every torchrun agent runs with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` and
+``--local-addr=127.0.0.1`` (elasticd sets both for its own agents).
+
+Faults, each on a freshly started cluster once the world of 3 has made a few steps:
+
+    crash         SIGKILL a non-rank-0 node's whole tree at once (daemon, agent, workers),
+                  captured with psutil before anything is signalled
+    rank0-crash   the same for the rank-0 node; for c10d the node hosting the store
+    silent        SIGSTOP a non-rank-0 node's whole tree (a frozen node)
+    drain         SIGTERM to a non-rank-0 node's daemon (elasticd) or agent (torchrun)
+
+Measures, per run:
+
+* recovery time: from ``time.time()`` just before the signal to the ``time`` of the first
+  completed step (``step`` or ``checkpoint`` event) in a world of 2 that a survivor's
+  progress file shows; the files are polled every 20 ms;
+* steps lost: the last step completed in the old world of 3 (the maximum over every node's
+  progress, before the fault and while waiting: a drain keeps stepping until its coordinated
+  stop) minus the step the new world resumed from (the survivors' ``resumed`` log line);
+* job lost: fewer than 2 survivors' root processes (agents, daemons) are still running;
+* timeout: no step of the new world within the cap (a cell that times out says so);
+* milestones (seconds after the fault, earliest survivor): the worker's collective error,
+  the old worker's exit, the daemon's detection and eviction, torch's "joined round", the
+  new worker's start (psutil create time, calibrated against ``time.time()``), its
+  process group, its ``resumed`` line and the first step. They say where the time goes.
+
+Each cell is repeated ``--repeats`` times (systems interleaved within a repetition, so drift
+of the machine hits all alike); the report gives the median and the range.
+Every run kills whatever it started (SIGCONT, then SIGKILL of every descendant: this
+process is the child subreaper) and removes its temp dir, also on Ctrl-C or SIGTERM.
+
+    python benchmarks/mttr.py [--repeats N] [--systems a,b,c]
+                              [--faults crash,rank0-crash,silent,drain] [--out benchmarks/results]
+
+Writes ``mttr.json`` (every run, raw) and ``mttr.md`` (the tables) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from elasticd import proctree  # noqa: E402
+from elasticd.embedded_etcd import EmbeddedEtcd, etcd_version, find_etcd_binary, free_port  # noqa: E402
+from tests.daemon_nodes import write_config  # noqa: E402
+
+MLP = str(REPO / "trainer" / "examples" / "mlp.py")
+TRAIN_ARGS = ["--max-steps", "1000000", "--step-sleep", "0.05", "--log-every", "100"]
+CHECKPOINT_EVERY = 20
+LEASE_TTL_S = 5
+MIN_NODES, MAX_NODES = 2, 3
+TUNED_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"
+SYSTEMS = {"a": "torchrun c10d, defaults", "b": "torchrun c10d, tuned", "c": "elasticd"}
+FAULTS = {"crash": "node SIGKILL", "rank0-crash": "rank-0 node SIGKILL",
+          "silent": "node SIGSTOP (silent)", "drain": "graceful drain (SIGTERM)"}
+STEP_EVENTS = ("step", "checkpoint")
+POLL_S = 0.02
+RDZV_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\] "
+                       r"torch\.distributed\.elastic\.rendezvous\.dynamic_rendezvous: (.*)$")
+MILESTONES = ("worker_error", "worker_stop", "old_worker_exit", "probe_refused", "peer_lost",
+              "evicted", "victim_exit", "joined_first", "new_worker_start", "joined_last",
+              "pg_ready", "resumed", "first_step")
+# First occurrence after the fault (JSON log lines of workers and daemons).
+FIRST: dict[str, Callable[[str, dict], bool]] = {
+    "worker_error": lambda e, r: e.startswith("collective failed"),
+    "worker_stop": lambda e, r: e == "coordinated stop",
+    "probe_refused": lambda e, r: e.startswith("peer refused its liveness probe"),
+    "peer_lost": lambda e, r: e.startswith("peer(s) ") and " lost" in e,
+    "evicted": lambda e, r: e == "evicted lost peers",
+}
+# Milestones taken from the last survivor to reach them (the new world waits for all).
+LATEST = ("joined_last", "new_worker_start", "pg_ready", "resumed")
+# Last occurrence before the new world's first step.
+LAST: dict[str, Callable[[str, dict], bool]] = {
+    "pg_ready": lambda e, r: e == "process group ready" and r.get("world_size") == 2,
+    "resumed": lambda e, r: e == "resumed" and r.get("world_size") == 2,
+}
+
+
+# -- nodes and clusters ------------------------------------------------------------------
+
+@dataclass
+class Node:
+    """One simulated machine: a root process (torchrun agent or elasticd daemon) and its tree."""
+
+    name: str
+    run_dir: Path
+    command: list[str]
+    env: dict[str, str]
+    log_path: Path
+    extra_logs: tuple[Path, ...] = ()
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def progress_path(self) -> Path:
+        return self.run_dir / "progress.json"
+
+    def start(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.command, env=self.env, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def progress(self) -> dict | None:
+        try:
+            return json.loads(self.progress_path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def tree(self) -> list[psutil.Process]:
+        """Root and every live descendant, captured before anything is signalled."""
+        with contextlib.suppress(psutil.NoSuchProcess):
+            return [psutil.Process(self.proc.pid), *proctree.descendants(self.proc.pid)]
+        return []
+
+    def workers(self) -> list[psutil.Process]:
+        return [p for p in proctree.descendants(self.proc.pid) if _is_worker(p)]
+
+    def logs(self) -> list[Path]:
+        return [self.log_path, *self.extra_logs]
+
+
+def _is_worker(proc: psutil.Process) -> bool:
+    try:
+        cmd = proc.cmdline()
+    except psutil.Error:
+        return False
+    return MLP in cmd and "torch.distributed.run" not in cmd
+
+
+@dataclass
+class Cluster:
+    system: str
+    root: Path
+    nodes: list[Node]
+    store_host: Node | None = None     # c10d: the agent that hosts the rendezvous store
+    etcd: EmbeddedEtcd | None = None
+
+    def start(self) -> None:
+        for node in self.nodes:
+            node.start()
+
+    def stop(self) -> list[str]:
+        """Kill everything this run started; what survived (should be nothing)."""
+        left = kill_everything()
+        for node in self.nodes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.proc.wait(timeout=5)
+        if self.etcd is not None:
+            self.etcd.stop()
+        proctree.reap_children()
+        return left
+
+
+def base_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICD_", "TORCH_DISABLE_SHARE"))}
+    return env | {"PYTHONUNBUFFERED": "1"}
+
+
+def torchrun_node(root: Path, index: int, port: int, job: str, tuned: bool) -> Node:
+    name = f"n{index}"
+    run_dir = root / name
+    conf = f"is_host={int(index == 0)}" + (f",{TUNED_CONF}" if tuned else "")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}", f"--rdzv-conf={conf}",
+           f"--nnodes={MIN_NODES}:{MAX_NODES}", "--nproc-per-node=1", "--max-restarts=100",
+           "--local-addr=127.0.0.1", *(["--monitor-interval=0.1"] if tuned else []), MLP, *TRAIN_ARGS]
+    env = base_env() | {
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "ELASTICD_PROGRESS_FILE": str(run_dir / "progress.json"),
+        "ELASTICD_CHECKPOINT_DIR": str(root / "ckpt"),
+        "ELASTICD_CHECKPOINT_EVERY_STEPS": str(CHECKPOINT_EVERY),
+    }
+    return Node(name, run_dir, cmd, env, root / f"{name}.log")
+
+
+def elasticd_node(root: Path, index: int, endpoint: str, job: str) -> Node:
+    name = f"n{index}"
+    run_dir = root / name
+    config = write_config(root / f"{name}.toml", job=job, node=name, endpoint=endpoint,
+                          run_dir=run_dir, ckpt_dir=root / "ckpt", min_nodes=MIN_NODES,
+                          max_nodes=MAX_NODES, entrypoint=[MLP, *TRAIN_ARGS], lease_ttl_s=LEASE_TTL_S)
+    cmd = [sys.executable, "-m", "elasticd", "run", "--config", str(config)]
+    return Node(name, run_dir, cmd, base_env(), root / f"{name}.daemon.log",
+                extra_logs=(run_dir / "agent.log",))
+
+
+def make_cluster(system: str, root: Path) -> Cluster:
+    job = f"mttr-{system}-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
+    if system == "c":
+        etcd = EmbeddedEtcd(data_dir=str(root / "etcd")).start()
+        nodes = [elasticd_node(root, i, etcd.endpoint, job) for i in range(MAX_NODES)]
+        return Cluster(system, root, nodes, etcd=etcd)
+    port = free_port()
+    nodes = [torchrun_node(root, i, port, job, tuned=system == "b") for i in range(MAX_NODES)]
+    return Cluster(system, root, nodes, store_host=nodes[0])
+
+
+# -- processes ---------------------------------------------------------------------------
+
+def signal_all(procs: list[psutil.Process], sig: int) -> None:
+    """Send ``sig`` to every process in one sweep, without waiting."""
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.send_signal(sig)
+
+
+def _describe(proc: psutil.Process) -> str:
+    try:
+        return f"{proc.pid}:{' '.join(proc.cmdline())[:120]}"
+    except psutil.Error:
+        return str(proc.pid)
+
+
+def kill_everything(timeout_s: float = 15.0) -> list[str]:
+    """SIGCONT then SIGKILL every descendant of this process (we are the subreaper); reap.
+
+    Returns the processes still alive after ``timeout_s`` (should be none)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        procs = proctree.descendants()
+        if not procs:
+            return []
+        if time.monotonic() > deadline:
+            return [_describe(p) for p in procs]
+        signal_all(procs, signal.SIGCONT)
+        signal_all(procs, signal.SIGKILL)
+        time.sleep(0.1)
+        proctree.reap_children()
+
+
+def create_time_offset() -> float:
+    """psutil's create_time minus time.time() at spawn (boot time is whole seconds)."""
+    offsets = []
+    for _ in range(3):
+        before = time.time()
+        proc = subprocess.Popen(["sleep", "0.1"])
+        offsets.append(psutil.Process(proc.pid).create_time() - before)
+        proc.wait()
+    return statistics.median(offsets)
+
+
+def loadavg() -> list[float]:
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+
+
+# -- one run -----------------------------------------------------------------------------
+
+def world_step(cluster: Cluster) -> int | None:
+    """The step all 3 nodes have reached in a world of 3, or None if they are not all in it."""
+    recs = [n.progress() for n in cluster.nodes]
+    if all(r and r.get("world_size") == MAX_NODES and r.get("event") in STEP_EVENTS for r in recs):
+        return min(r["step"] for r in recs)
+    return None
+
+
+def wait_step(cluster: Cluster, target: int, deadline: float) -> int | None:
+    """Wait (until the monotonic ``deadline``) for the world of 3 to reach ``target``."""
+    while time.monotonic() < deadline:
+        step = world_step(cluster)
+        if step is not None and step >= target:
+            return step
+        time.sleep(POLL_S)
+    return None
+
+
+def fault_step(formed_at: int, phase: int) -> int:
+    """>= 10 steps after forming and past the first checkpoint, at ``phase`` in the cadence."""
+    start = max(formed_at + 10, CHECKPOINT_EVERY + 1)
+    return start + (phase - start) % CHECKPOINT_EVERY
+
+
+def choose_victim(cluster: Cluster, fault: str) -> Node:
+    """rank0-crash: the rank-0 node (c10d: the store host); otherwise a node that is neither."""
+    ranks = {n.name: (n.progress() or {}).get("rank") for n in cluster.nodes}
+    if fault == "rank0-crash":
+        return cluster.store_host or next(n for n in cluster.nodes if ranks[n.name] == 0)
+    others = [n for n in cluster.nodes if ranks[n.name] != 0 and n is not cluster.store_host]
+    return others[-1]
+
+
+def inject(victim: Node, fault: str) -> float:
+    """Send the fault; the wall time just before the signal."""
+    if fault == "drain":
+        now = time.time()
+        victim.proc.send_signal(signal.SIGTERM)
+        return now
+    sig = signal.SIGSTOP if fault == "silent" else signal.SIGKILL
+    tree = victim.tree()
+    now = time.time()
+    signal_all(tree, sig)
+    return now
+
+
+@dataclass
+class Watch:
+    """What the poll loop saw between the fault and the new world's first step."""
+
+    t_fault: float
+    old_step: int
+    first: dict | None = None
+    outcome: str = "timeout"
+    old_worker_exit: float | None = None
+    victim_exit: float | None = None
+    survivors_exited: list[str] = field(default_factory=list)
+    lost_after_s: float | None = None
+
+
+def watch_recovery(cluster: Cluster, victim: Node, t_fault: float, old_step: int,
+                   old_workers: list[psutil.Process], cap_s: float) -> Watch:
+    w = Watch(t_fault, old_step)
+    survivors = [n for n in cluster.nodes if n is not victim]
+    deadline = time.monotonic() + cap_s
+    while time.monotonic() < deadline:
+        _observe(w, cluster.nodes, survivors, victim, old_workers)
+        if w.first is not None:
+            w.outcome = "recovered"
+            return w
+        w.survivors_exited = [n.name for n in survivors if not n.alive()]
+        if len(survivors) - len(w.survivors_exited) < MIN_NODES:
+            w.outcome = "job lost"
+            w.lost_after_s = time.time() - t_fault
+            return w
+        time.sleep(POLL_S)
+    return w
+
+
+def _observe(w: Watch, nodes: list[Node], survivors: list[Node], victim: Node,
+             old_workers: list[psutil.Process]) -> None:
+    now = time.time()
+    for node in nodes:
+        rec = node.progress()
+        if not rec:
+            continue
+        if rec.get("world_size") == MAX_NODES and rec.get("step") is not None:
+            w.old_step = max(w.old_step, rec["step"])
+        if (node in survivors and w.first is None and rec.get("world_size") == MAX_NODES - 1
+                and rec.get("event") in STEP_EVENTS and rec.get("time", 0) > w.t_fault):
+            w.first = dict(rec, node=node.name)
+    if w.old_worker_exit is None and old_workers and not any(_running(p) for p in old_workers):
+        w.old_worker_exit = now
+    if w.victim_exit is None and not victim.alive():
+        w.victim_exit = now
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def run_once(system: str, fault: str, phase: int, caps: dict[str, float], ct_offset: float,
+             keep: bool) -> dict[str, Any]:
+    """Start a cluster, wait for a world of 3, inject ``fault``, measure, tear down."""
+    root = Path(tempfile.mkdtemp(prefix=f"mttr-{system}-{fault}-"))
+    result: dict[str, Any] = {"system": system, "fault": fault, "load_start": loadavg()}
+    cluster = None
+    try:
+        cluster = make_cluster(system, root)
+        cluster.start()
+        result |= measure(cluster, fault, phase, caps, ct_offset)
+    finally:
+        result["leftover"] = cluster.stop() if cluster else kill_everything()
+        result["load_end"] = loadavg()
+        if keep:
+            result["dir"] = str(root)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    return result
+
+
+def measure(cluster: Cluster, fault: str, phase: int, caps: dict[str, float],
+            ct_offset: float) -> dict[str, Any]:
+    deadline = time.monotonic() + caps["formation"]
+    formed = wait_step(cluster, 0, deadline)
+    cpu_before = cpu_snapshot()
+    if formed is None or wait_step(cluster, fault_step(formed, phase), deadline) is None:
+        return {"outcome": "setup timeout", "note": "no world of 3 in time"}
+    cpu = cpu_shares(cpu_before, cpu_snapshot())
+    victim = choose_victim(cluster, fault)
+    survivors = [n for n in cluster.nodes if n is not victim]
+    old_workers = [p for n in survivors for p in n.workers()]
+    pre = max((n.progress() or {}).get("step", 0) for n in cluster.nodes)
+    victim_rank = (victim.progress() or {}).get("rank")
+    load = loadavg()
+    t_fault = inject(victim, fault)
+    cap = caps["silent" if fault == "silent" and cluster.system != "c" else "default"]
+    w = watch_recovery(cluster, victim, t_fault, pre, old_workers, cap)
+    return summarize_run(cluster, victim, w, ct_offset) | {
+        "victim": victim.name, "victim_rank": victim_rank, "victim_hosts_store": victim is cluster.store_host,
+        "step_before_fault": pre, "load_at_fault": load, "cap_s": cap, "cpu_cores_steady": cpu}
+
+
+def _role(proc: psutil.Process) -> str | None:
+    try:
+        cmd = proc.cmdline()
+    except psutil.Error:
+        return None
+    joined = " ".join(cmd)
+    if cmd and cmd[0].endswith("etcd"):
+        return "etcd"
+    if "torch.distributed.run" in joined:
+        return "agent"
+    if MLP in cmd:
+        return "worker"
+    return "daemon" if "elasticd" in joined else None
+
+
+def cpu_snapshot() -> tuple[float, dict[int, tuple[str, float]]]:
+    """(wall time, {pid: (role, cpu seconds)}) for every process this benchmark started."""
+    out = {}
+    for proc in proctree.descendants():
+        role = _role(proc)
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            if role:
+                out[proc.pid] = (role, times.user + times.system)
+    return time.time(), out
+
+
+def cpu_shares(before: tuple[float, dict], after: tuple[float, dict]) -> dict[str, float]:
+    """CPU cores used per role (all nodes together) between two snapshots: the steady state."""
+    wall = max(after[0] - before[0], 1e-6)
+    shares: dict[str, float] = {}
+    for pid, (role, cpu) in after[1].items():
+        start = before[1].get(pid, (role, cpu))[1]
+        shares[role] = shares.get(role, 0.0) + (cpu - start) / wall
+    return {k: round(v, 3) for k, v in sorted(shares.items())} | {"window_s": round(wall, 2)}
+
+
+def summarize_run(cluster: Cluster, victim: Node, w: Watch, ct_offset: float) -> dict[str, Any]:
+    survivors = [n for n in cluster.nodes if n is not victim]
+    t_end = w.first["time"] + 0.01 if w.first else time.time()
+    per_node = {n.name: node_milestones(n, w.t_fault, t_end) for n in survivors}
+    resumed = resumed_step(survivors, w.t_fault, t_end)
+    if resumed is None and w.first and w.first["step"] == 1:
+        resumed = 0  # no checkpoint yet: the new world started from scratch
+    out: dict[str, Any] = {"outcome": w.outcome, "old_world_last_step": w.old_step,
+                           "resumed_step": resumed, "survivors_exited": w.survivors_exited,
+                           "lost_after_s": round(w.lost_after_s, 3) if w.lost_after_s else None,
+                           "milestones_per_node": per_node}
+    marks = {k: (max if k in LATEST else min)(d[k] for d in per_node.values() if k in d)
+             for k in MILESTONES if any(k in d for d in per_node.values())}
+    marks |= _polled_marks(w, survivors, ct_offset)
+    out["milestones"] = {k: round(v, 3) for k, v in sorted(marks.items(), key=lambda kv: kv[1])}
+    if w.first:
+        out["recovery_s"] = round(w.first["time"] - w.t_fault, 3)
+        out["first_step"] = w.first["step"]
+        out["steps_lost"] = w.old_step - resumed if resumed is not None else None
+    out["rendezvous_log"] = rendezvous_messages(cluster.nodes, w.t_fault, t_end)
+    return out
+
+
+def _polled_marks(w: Watch, survivors: list[Node], ct_offset: float) -> dict[str, float]:
+    marks = {}
+    if w.old_worker_exit is not None:
+        marks["old_worker_exit"] = w.old_worker_exit - w.t_fault
+    if w.victim_exit is not None:
+        marks["victim_exit"] = w.victim_exit - w.t_fault
+    if w.first is not None:
+        marks["first_step"] = w.first["time"] - w.t_fault
+        starts = [p.create_time() - ct_offset for n in survivors for p in _safe_workers(n)]
+        starts = [t for t in starts if t > w.t_fault]
+        if starts:
+            marks["new_worker_start"] = max(starts) - w.t_fault
+    return marks
+
+
+def _safe_workers(node: Node) -> list[psutil.Process]:
+    with contextlib.suppress(psutil.Error):
+        return node.workers()
+    return []
+
+
+# -- logs --------------------------------------------------------------------------------
+
+def json_records(path: Path) -> Iterator[dict]:
+    """Every JSON object line of a log (worker lines may follow a prefix)."""
+    if not path.exists():
+        return
+    for line in path.read_text(errors="replace").splitlines():
+        start = line.find("{")
+        if start < 0:
+            continue
+        with contextlib.suppress(ValueError):
+            rec = json.loads(line[start:])
+            if isinstance(rec, dict) and isinstance(rec.get("event"), str):
+                yield rec
+
+
+def record_time(rec: dict) -> float | None:
+    stamp = rec.get("timestamp")
+    if not isinstance(stamp, str):
+        return None
+    with contextlib.suppress(ValueError):
+        return datetime.fromisoformat(stamp).timestamp()
+    return None
+
+
+def node_milestones(node: Node, t_fault: float, t_end: float) -> dict[str, float]:
+    """Seconds after the fault of this node's logged milestones (see FIRST and LAST)."""
+    out: dict[str, float] = {}
+    for path in node.logs():
+        for rec in json_records(path):
+            t = record_time(rec)
+            if t is None or not t_fault < t <= t_end:
+                continue
+            event = rec["event"]
+            for key, pred in FIRST.items():
+                if pred(event, rec):
+                    out[key] = min(out.get(key, t), t)
+            for key, pred in LAST.items():
+                if pred(event, rec):
+                    out[key] = max(out.get(key, t), t)
+    for t, msg in rdzv_lines(node):
+        if t_fault < t <= t_end and "has joined round" in msg:
+            out["joined_first"] = min(out.get("joined_first", t), t)
+            out["joined_last"] = max(out.get("joined_last", t), t)
+    return {k: v - t_fault for k, v in out.items()}
+
+
+def rdzv_lines(node: Node) -> Iterator[tuple[float, str]]:
+    """torch's dynamic_rendezvous lines (elasticd's agents make them visible)."""
+    for path in node.logs():
+        if not path.exists():
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            m = RDZV_LINE.match(line)
+            if m:
+                t = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                yield t, m.group(2)
+
+
+def rendezvous_messages(nodes: list[Node], t_fault: float, t_end: float) -> list[str]:
+    """torch's rendezvous lines between the fault and the first step (for the oddities)."""
+    out = []
+    for node in nodes:
+        out += [(t, f"{node.name} +{t - t_fault:.2f}s {msg[:200]}") for t, msg in rdzv_lines(node)
+                if t_fault < t <= t_end]
+    return [m for _, m in sorted(out)][:30]
+
+
+def resumed_step(survivors: list[Node], t_fault: float, t_end: float) -> int | None:
+    """The step the new world resumed from: the survivors' last ``resumed`` line before its first step."""
+    best: tuple[float, int] | None = None
+    for node in survivors:
+        for path in node.logs():
+            for rec in json_records(path):
+                t = record_time(rec)
+                if rec["event"] == "resumed" and t is not None and t_fault < t <= t_end and (
+                        best is None or t > best[0]):
+                    best = (t, rec.get("step"))
+    return best[1] if best else None
+
+
+# -- summary and report ------------------------------------------------------------------
+
+def _stats(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3),
+            "max": round(max(values), 3), "n": len(values)}
+
+
+def summarize_cells(runs: list[dict]) -> dict[str, dict[str, dict]]:
+    cells: dict[str, dict[str, dict]] = {}
+    for run in runs:
+        cells.setdefault(run["fault"], {}).setdefault(run["system"], {"runs": []})["runs"].append(run)
+    for by_system in cells.values():
+        for cell in by_system.values():
+            rs = cell.pop("runs")
+            ok = [r for r in rs if r.get("outcome") == "recovered"]
+            cell["n"] = len(rs)
+            cell["outcomes"] = {o: sum(r.get("outcome") == o for r in rs) for o in
+                                sorted({r.get("outcome", "error") for r in rs})}
+            cell["recovery_s"] = _stats([r["recovery_s"] for r in ok])
+            cell["steps_lost"] = _stats([r["steps_lost"] for r in ok if r.get("steps_lost") is not None])
+            cell["milestones"] = {k: _stats([r["milestones"][k] for r in ok if k in r.get("milestones", {})])
+                                  for k in MILESTONES}
+            cell["milestones"] = {k: v["median"] for k, v in cell["milestones"].items() if v}
+            cell["cap_s"] = max((r.get("cap_s", 0) for r in rs), default=0)
+            cell["job_lost_after_s"] = _stats([r["lost_after_s"] for r in rs if r.get("lost_after_s")])
+    return cells
+
+
+def cell_text(cell: dict) -> str:
+    parts = []
+    rec, lost, n = cell["recovery_s"], cell["steps_lost"], cell["n"]
+    if rec:
+        share = "" if rec["n"] == n else f" [{rec['n']}/{n} runs]"
+        parts.append(f"{rec['median']:.1f} s ({rec['min']:.1f}–{rec['max']:.1f}){share}")
+        if lost:
+            span = "" if lost["min"] == lost["max"] else f" ({lost['min']:.0f}–{lost['max']:.0f})"
+            parts.append(f"{lost['median']:.0f}{span} steps lost")
+    for outcome, count in cell["outcomes"].items():
+        if outcome == "recovered":
+            continue
+        label = {"timeout": f"> {cell['cap_s']:.0f} s cap, not recovered"}.get(outcome, outcome)
+        lost = cell["job_lost_after_s"]
+        if outcome == "job lost" and lost:
+            label += f" (survivors' agents exited after {lost['median']:.1f} s)"
+        parts.append(f"{label} [{count}/{n} runs]")
+    return ", ".join(parts)
+
+
+def markdown(report: dict) -> str:
+    systems, faults = report["settings"]["systems"], report["settings"]["faults"]
+    lines = ["# Recovery time (MTTR): plain torchrun vs elasticd", "",
+             "| fault | " + " | ".join(SYSTEMS[s] for s in systems) + " |",
+             "|---|" + "---|" * len(systems)]
+    for fault in faults:
+        cells = report["cells"].get(fault, {})
+        lines.append(f"| {FAULTS[fault]} | " + " | ".join(
+            cell_text(cells[s]) if s in cells else "–" for s in systems) + " |")
+    lines += ["", "Cells: median recovery time (min–max) over the recovered runs, from the signal "
+              "to the first completed step of the new world of 2; steps lost: last step of the old "
+              "world minus the step the new world resumed from.", ""]
+    lines += _targets(report)
+    lines += _milestone_table(report, systems, faults)
+    lines += _cpu_table(report, systems)
+    lines += _notes(report)
+    return "\n".join(lines) + "\n"
+
+
+def _milestone_table(report: dict, systems: list[str], faults: list[str]) -> list[str]:
+    lines = ["## Where the time goes (median seconds after the fault)", "",
+             "| fault | system | " + " | ".join(MILESTONES) + " |", "|---|---|" + "---|" * len(MILESTONES)]
+    for fault in faults:
+        for system in systems:
+            cell = report["cells"].get(fault, {}).get(system)
+            if not cell or not cell["milestones"]:
+                continue
+            ms = cell["milestones"]
+            lines.append(f"| {fault} | {system} | " + " | ".join(
+                f"{ms[k]:.2f}" if k in ms else "" for k in MILESTONES) + " |")
+    return [*lines, "", "Milestones (earliest survivor, except joined_last, new_worker_start, pg_ready "
+            "and resumed: the last survivor, which the new world waits for): "
+            "worker_error = a survivor's worker logs the failed collective; "
+            "worker_stop = coordinated stop (drain); old_worker_exit = the survivors' old workers are "
+            "gone; probe_refused / peer_lost / evicted = elasticd daemon log; victim_exit = the "
+            "drained node's root process exited; joined_first/last = torch's \"joined round\" "
+            "(elasticd's agents only; torch logs it nowhere by default); new_worker_start = psutil "
+            "create time of the new worker; pg_ready = \"process group ready\" at world size 2; "
+            "resumed = the checkpoint loaded; first_step = first step of the world of 2.", ""]
+
+
+# The issue's targets for elasticd: (fault, limit in seconds, wording).
+TARGETS = (("crash", 5.0, "node crash <= 5 s"), ("rank0-crash", 5.0, "rank-0 node crash <= 5 s"),
+           ("silent", LEASE_TTL_S + 5.0, f"silent node <= lease TTL + 5 s = {LEASE_TTL_S + 5} s"))
+
+
+def _targets(report: dict) -> list[str]:
+    lines = ["## Targets (elasticd)", ""]
+    for fault, limit, text in TARGETS:
+        cell = report["cells"].get(fault, {}).get("c")
+        if not cell:
+            continue
+        rec = cell["recovery_s"]
+        if rec is None:
+            lines.append(f"- {text}: not recovered in any run: **missed**")
+            continue
+        verdict = "met" if rec["median"] <= limit else "**missed**"
+        lines.append(f"- {text}: median {rec['median']:.1f} s (max {rec['max']:.1f} s): {verdict}")
+    return [*lines, ""] if len(lines) > 2 else []
+
+
+def cpu_by_system(runs: list[dict]) -> dict[str, dict[str, float]]:
+    """Median steady-state CPU cores per role, per system, over every run."""
+    out: dict[str, dict[str, float]] = {}
+    for system in sorted({r["system"] for r in runs}):
+        samples = [r["cpu_cores_steady"] for r in runs if r["system"] == system and "cpu_cores_steady" in r]
+        roles = sorted({k for s in samples for k in s if k != "window_s"})
+        out[system] = {k: round(statistics.median(s.get(k, 0.0) for s in samples), 2) for k in roles}
+    return out
+
+
+def _cpu_table(report: dict, systems: list[str]) -> list[str]:
+    cpu = report.get("cpu_cores_steady", {})
+    roles = ["worker", "agent", "daemon", "etcd"]
+    lines = ["## Steady-state CPU before the fault (cores, 3 nodes together, median over runs)", "",
+             "| system | " + " | ".join(roles) + " |", "|---|" + "---|" * len(roles)]
+    for system in systems:
+        if system in cpu:
+            lines.append(f"| {SYSTEMS[system]} | " + " | ".join(
+                f"{cpu[system][r]:.2f}" if r in cpu[system] else "–" for r in roles) + " |")
+    return [*lines, ""]
+
+
+def _notes(report: dict) -> list[str]:
+    m, s = report["machine"], report["settings"]
+    quiet = report.get("quiet_wait", {})
+    faults = report.get("load_at_faults") or {}
+    load_line = (f"Load average (1 min) before {report['load_before'][0]:.2f}, after "
+                 f"{report['load_after'][0]:.2f}, at the faults median {faults.get('median', 0):.2f} "
+                 f"(max {faults.get('max', 0):.2f}).")
+    if quiet and not quiet.get("quiet", True):
+        load_line += (" **The machine never got quiet (1-min load < 0.8 for 30 s) within "
+                      f"{quiet['limit_s']:.0f} s; other test suites were running, which inflates every "
+                      "time here.**")
+    return ["## Settings", "",
+            f"- Machine: {m['cpus']} CPU cores ({m['cpu_model']}), {m['mem_gib']} GiB, {m['platform']}; "
+            f"Python {m['python']}, torch {m['torch']}, etcd {m['etcd']}. {load_line}",
+            f"- {s['repeats']} repetition(s) per cell; recovery capped at {s['cap_s']:.0f} s "
+            f"(SIGSTOP on torchrun: {s['silent_cap_s']:.0f} s); poll every {POLL_S * 1000:.0f} ms.",
+            f"- Workload: `{' '.join(['mlp.py', *TRAIN_ARGS])}`, 1 CPU (gloo) worker per node, 3 nodes, "
+            f"checkpoint every {CHECKPOINT_EVERY} steps to a shared dir (rank 0 writes), "
+            "trainer collective timeout 120 s (`--collective-timeout-s` default, passed to gloo).",
+            "- torchrun: `--rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:PORT --rdzv-conf=is_host=1|0` "
+            "(node n0's agent hosts the store), `--nnodes=2:3 --max-restarts=100 --local-addr=127.0.0.1`, "
+            "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` for every agent (in a and b too). "
+            "(a) defaults: last_call 30 s, keep-alive 5 s x 3, monitor interval default "
+            "(0.1 s in torch 2.13, so a and b differ only in the rdzv-conf). "
+            f"(b) tuned: `--rdzv-conf={TUNED_CONF}` `--monitor-interval=0.1` "
+            "(DESIGN.md warns that 1 s x 2 self-evicts and can split the world).",
+            f"- elasticd: 3 daemons, min 2 / max 3 nodes, lease TTL {LEASE_TTL_S} s, probe every 0.5 s, "
+            "rendezvous etcd3 with last_call 1 s, keep-alive 1 s x 5, monitor interval 0.1 s.",
+            "- Faults are injected once the world of 3 has made >= 10 steps, at a step whose offset in "
+            "the 20-step checkpoint cadence is drawn at random (seeded), so steps lost sample the "
+            "cadence. rank-0 node on c10d = the store host (n0).",
+            "- SIGSTOP on torchrun: the survivors block in the gradient all-reduce until the gloo "
+            "timeout, which is the trainer's 120 s (not gloo's 30 min default), so the 90 s cap "
+            "expires first; with a plain script that leaves gloo's default it would be 30 min.",
+            ""]
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    model = next((line.split(":", 1)[1].strip() for line in
+                  Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "?")
+    return {"cpus": os.cpu_count(), "cpu_model": model,
+            "mem_gib": round(psutil.virtual_memory().total / 2**30), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "etcd": etcd_version(find_etcd_binary())}
+
+
+def wait_quiet(limit_s: float, threshold: float = 0.8, every_s: float = 30.0) -> dict[str, Any]:
+    """Wait until the 1-min load stays under ``threshold`` for two readings ``every_s`` apart."""
+    start = time.monotonic()
+    samples = [loadavg()[0]]
+    while time.monotonic() - start < limit_s:
+        if len(samples) >= 2 and samples[-1] < threshold and samples[-2] < threshold:
+            return {"quiet": True, "waited_s": round(time.monotonic() - start), "samples": samples,
+                    "limit_s": limit_s}
+        time.sleep(every_s)
+        samples.append(loadavg()[0])
+        print(f"load {samples[-1]:.2f}", file=sys.stderr, flush=True)
+    quiet = len(samples) >= 2 and samples[-1] < threshold and samples[-2] < threshold
+    return {"quiet": quiet, "waited_s": round(time.monotonic() - start), "samples": samples,
+            "limit_s": limit_s}
+
+
+# -- main --------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--systems", default="a,b,c", help="a: torchrun defaults, b: torchrun tuned, c: elasticd")
+    p.add_argument("--faults", default=",".join(FAULTS), help=f"any of {','.join(FAULTS)}")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--cap-s", type=float, default=120.0, help="recovery cap per run")
+    p.add_argument("--silent-cap-s", type=float, default=90.0, help="cap for SIGSTOP on torchrun")
+    p.add_argument("--formation-timeout-s", type=float, default=240.0)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--wait-quiet-s", type=float, default=0.0,
+                   help="first wait up to this long for a quiet machine (1-min load < 0.8 for 30 s)")
+    p.add_argument("--keep-dirs", action="store_true", help="keep each run's logs (paths in the JSON)")
+    args = p.parse_args(argv)
+    args.systems = [s for s in args.systems.split(",") if s]
+    args.faults = [f for f in args.faults.split(",") if f]
+    bad = [s for s in args.systems if s not in SYSTEMS] + [f for f in args.faults if f not in FAULTS]
+    if bad:
+        p.error(f"unknown system(s)/fault(s): {bad}")
+    return args
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, str, int]]:
+    """(system, fault, phase) in run order: repetition, then fault, then system."""
+    rng = random.Random(args.seed)
+    return [(s, f, rng.randrange(CHECKPOINT_EVERY)) for _ in range(args.repeats)
+            for f in args.faults for s in args.systems]
+
+
+def build_report(args: argparse.Namespace, runs: list[dict], extra: dict[str, Any]) -> dict[str, Any]:
+    at_fault = [r["load_at_fault"][0] for r in runs if "load_at_fault" in r]
+    return {"settings": {"repeats": args.repeats, "systems": args.systems, "faults": args.faults,
+                         "cap_s": args.cap_s, "silent_cap_s": args.silent_cap_s, "seed": args.seed,
+                         "poll_s": POLL_S, "lease_ttl_s": LEASE_TTL_S, "train_args": TRAIN_ARGS,
+                         "checkpoint_every_steps": CHECKPOINT_EVERY, "tuned_rdzv_conf": TUNED_CONF},
+            **extra, "load_at_faults": _stats(at_fault), "cells": summarize_cells(runs),
+            "cpu_cores_steady": cpu_by_system(runs), "runs": runs}
+
+
+def write_report(out: Path, report: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "mttr.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "mttr.md").write_text(markdown(report))
+
+
+def _raise_interrupt(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def execute(args: argparse.Namespace, runs: list[dict]) -> None:
+    caps = {"default": args.cap_s, "silent": args.silent_cap_s, "formation": args.formation_timeout_s}
+    offset = create_time_offset()
+    for i, (system, fault, phase) in enumerate(plan(args), 1):
+        t0 = time.monotonic()
+        try:
+            run = run_once(system, fault, phase, caps, offset, args.keep_dirs)
+        except Exception as exc:  # noqa: BLE001 - one broken run must not end the benchmark
+            run = {"system": system, "fault": fault, "outcome": "error", "error": repr(exc)}
+        runs.append(run)
+        print(f"[{i}] {SYSTEMS[system]:24s} {fault:12s} {run.get('outcome')}: "
+              f"{run.get('recovery_s', run.get('lost_after_s', '-'))} s, lost {run.get('steps_lost', '-')} "
+              f"({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    proctree.become_subreaper()
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGHUP, _raise_interrupt)
+    extra: dict[str, Any] = {"machine": machine()}
+    if args.wait_quiet_s > 0:
+        extra["quiet_wait"] = wait_quiet(args.wait_quiet_s)
+    extra["load_before"] = loadavg()
+    runs: list[dict] = []
+    try:
+        execute(args, runs)
+    except KeyboardInterrupt:
+        extra["interrupted"] = True
+        print("interrupted; cleaning up", file=sys.stderr)
+    finally:
+        extra["leftover_at_exit"] = kill_everything()
+        extra["load_after"] = loadavg()
+        write_report(Path(args.out), build_report(args, runs, extra))
+    print((Path(args.out) / "mttr.md").read_text())
+    return 130 if extra.get("interrupted") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
