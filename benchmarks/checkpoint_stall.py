@@ -11,13 +11,14 @@ that starts with one save:
               the background write competing with training for the CPU
     floor     copy of the state into preallocated buffers (the least a consistent
               snapshot can cost)
-    async_nice_N  (with --extra-nice N,...) async with another writer_nice, to compare
 
-stall = window time of the method - mean of the baseline windows just before and after
-it; medians over repetitions. K is chosen so
-the background write finishes inside the window (the final wait() is included, so a write
-that does not finish would be counted). Methods are interleaved within each repetition so
-that drift of the machine hits all of them alike.
+stall = window time of the method - mean of two windows of the same number of steps
+without a save, run right before and after it (this cancels slow drift of the shared
+machine); medians over repetitions. An async window spans enough steps for the background
+write to finish (1.5x the steps one took in a warm-up, + 2), and its final wait() is
+included, so a write that does not finish in time is counted. Before each window the
+benchmark waits (up to --quiet-wait s) until other processes use < 15% of the CPUs, and
+reports windows that started under load anyway.
 
     python benchmarks/checkpoint_stall.py [--sizes 10,100] [--reps 3] [--dir DIR]
 
@@ -85,14 +86,11 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 class Methods:
     """The save methods under test; each returns when the training loop may go on."""
 
-    def __init__(self, work: Workload, directory: Path, extra_nice: list[int | None]) -> None:
+    def __init__(self, work: Workload, directory: Path) -> None:
         self.work = work
         self.directory = directory
         self.managers = {"async": CheckpointManager(directory / "managed", keep_last=2)}
-        for nice in extra_nice:
-            self.managers[f"async_nice_{nice}"] = CheckpointManager(
-                directory / f"managed-{nice}", keep_last=2, writer_nice=nice)
-        self.names = ["none", "floor", *self.managers, "sync", "blocking"]
+        self.names = ["none", "floor", "async", "sync", "blocking"]
         self.floor_buffers = [torch.empty_like(t) for t in _tensors(work.state())]
         self.count = 0
 
@@ -171,69 +169,71 @@ def timed_window(work: Workload, methods: Methods, name: str, steps: int,
             "steps_with_write_running": writing_steps, "busy_before": busy_before}
 
 
-def choose_steps(work: Workload, methods: Methods) -> tuple[int, float]:
-    """Median step time, and a window long enough for a background write to finish in."""
+def step_time(work: Workload) -> float:
     times = []
     for _ in range(3):
         t = time.perf_counter()
         work.step()
         times.append(time.perf_counter() - t)
-    step_time = statistics.median(times)
-    most = 0
-    for name in methods.managers:  # also allocates each manager's snapshot buffers
-        methods.run(name)
-        steps = 0
-        while methods.manager(name).writing:
-            work.step()
-            steps += 1
-        most = max(most, steps)
-    return max(4, int(most * 1.5) + 2), step_time
+    return statistics.median(times)
 
 
-def measure(millions: int, reps: int, root: Path, quiet_wait: float,
-            extra_nice: list[int | None]) -> dict[str, Any]:
+def window_steps(work: Workload, methods: Methods, name: str) -> int:
+    """Steps a window of `name` spans: enough for its background write to finish in."""
+    if name not in methods.managers:
+        return 4
+    methods.run(name)  # also allocates this manager's snapshot buffers (first save only)
+    steps = 0
+    while methods.manager(name).writing:
+        work.step()
+        steps += 1
+    return max(4, int(steps * 1.5) + 2)
+
+
+def measure(millions: int, reps: int, root: Path, quiet_wait: float) -> dict[str, Any]:
     work = Workload(millions)
     directory = Path(tempfile.mkdtemp(prefix=f"stall-{millions}m-", dir=root))
     try:
-        methods = Methods(work, directory, extra_nice)
-        steps, step_time = choose_steps(work, methods)
-        runs: dict[str, list[dict[str, float]]] = {m: [] for m in methods.names}
+        methods = Methods(work, directory)
+        seconds_per_step = step_time(work)
+        steps = {name: window_steps(work, methods, name) for name in methods.names[1:]}
+        runs: dict[str, list[dict[str, float]]] = {m: [] for m in methods.names[1:]}
         for _ in range(reps):
-            # none, A, none, B, ..., none: each save window is compared with the baseline
-            # windows right before and after it, which cancels slow drift of the machine.
-            previous = timed_window(work, methods, "none", steps, quiet_wait)
-            runs["none"].append(previous)
-            for name in methods.names[1:]:
-                window = timed_window(work, methods, name, steps, quiet_wait)
-                after = timed_window(work, methods, "none", steps, quiet_wait)
-                window["stall"] = window["window"] - (previous["window"] + after["window"]) / 2
+            for name, k in steps.items():
+                # none, save, none with the same number of steps: comparing with the
+                # baseline windows right around it cancels slow drift of the machine.
+                before = timed_window(work, methods, "none", k, quiet_wait)
+                window = timed_window(work, methods, name, k, quiet_wait)
+                after = timed_window(work, methods, "none", k, quiet_wait)
+                window["baseline"] = (before["window"] + after["window"]) / 2
+                window["baseline_spread"] = abs(before["window"] - after["window"])
+                window["noisy"] = max(before["busy_before"], window["busy_before"],
+                                      after["busy_before"])
                 runs[name].append(window)
-                runs["none"].append(after)
-                previous = after
         methods.close()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    return summarize(work, runs, steps, step_time)
+    return summarize(work, runs, steps, seconds_per_step)
 
 
-def summarize(work: Workload, runs: dict[str, list[dict[str, float]]], steps: int,
-              step_time: float) -> dict[str, Any]:
-    base = statistics.median(r["window"] for r in runs["none"])
-    noise = (max(r["window"] for r in runs["none"]) - min(r["window"] for r in runs["none"]))
+def summarize(work: Workload, runs: dict[str, list[dict[str, float]]], steps: dict[str, int],
+              seconds_per_step: float) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "params": work.params, "state_bytes": work.state_bytes(), "window_steps": steps,
-        "step_seconds": round(step_time, 4), "baseline_window_seconds": round(base, 4),
-        "baseline_spread_seconds": round(noise, 4), "methods": {},
-        "noisy_windows": sum(r["busy_before"] >= 0.15 for rs in runs.values() for r in rs),
+        "params": work.params, "state_bytes": work.state_bytes(),
+        "step_seconds": round(seconds_per_step, 4), "methods": {},
     }
-    for name in list(runs)[1:]:
-        stalls = [r["stall"] for r in runs[name]]
+    for name, rs in runs.items():
+        stalls = [r["window"] - r["baseline"] for r in rs]
         out["methods"][name] = {
+            "window_steps": steps[name],
             "stall_seconds": round(statistics.median(stalls), 4),
-            "stall_runs": [round(s, 4) for s in stalls],
-            "call_seconds": round(statistics.median(r["call"] for r in runs[name]), 4),
-            "final_wait_seconds": round(max(r["final_wait"] for r in runs[name]), 4),
-            "steps_with_write_running": max(r["steps_with_write_running"] for r in runs[name]),
+            "stall_runs": [round(x, 4) for x in stalls],
+            "baseline_window_seconds": round(statistics.median(r["baseline"] for r in rs), 4),
+            "baseline_spread_seconds": round(max(r["baseline_spread"] for r in rs), 4),
+            "call_seconds": round(statistics.median(r["call"] for r in rs), 4),
+            "final_wait_seconds": round(max(r["final_wait"] for r in rs), 4),
+            "steps_with_write_running": max(r["steps_with_write_running"] for r in rs),
+            "windows_under_other_load": sum(r["noisy"] >= 0.15 for r in rs),
         }
     floor = out["methods"]["floor"]["stall_seconds"]
     for m in out["methods"].values():
@@ -245,32 +245,33 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [
         "# Checkpoint stall (benchmarks/checkpoint_stall.py)",
         "",
-        f"{results['machine']}; torch {results['torch']}; {results['reps']} repetitions, "
-        "medians. Stall = extra wall time of the training steps spanning one save over the "
-        "same steps without a save (background-write interference and the final wait "
-        "included). floor = copy of the state into preallocated buffers.",
+        f"{results['machine']}; torch {results['torch']}, {results['threads']} threads; "
+        f"{results['reps']} repetitions, medians; checkpoints in {results['checkpoint_dir']}. "
+        "Stall = wall time of the training steps spanning one save (the save call, "
+        "background-write interference and a final wait() included) minus the mean of the "
+        "same number of steps without a save right before and after. floor = copy of the "
+        "state into preallocated buffers.",
         "",
-        "| params | state | step | window | method | stall (s) | call (s) | stall / floor "
-        "| steps overlapping the write |",
-        "|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+        "| params | state | step | method | window | stall (s) | call (s) | stall / floor "
+        "| steps overlapping the write | baseline spread (s) | windows under other load |",
+        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for size in results["sizes"]:
         for name, m in size["methods"].items():
             lines.append(
                 f"| {size['params'] / 1e6:.1f}M | {size['state_bytes'] / 1e9:.2f} GB | "
-                f"{size['step_seconds']:.3f} s | {size['window_steps']} steps | {name} | "
-                f"{m['stall_seconds']:.3f} | {m['call_seconds']:.3f} | {m['stall_over_floor']} | "
-                f"{m['steps_with_write_running']} |"
+                f"{size['step_seconds']:.3f} s | {name} | {m['window_steps']} steps | "
+                f"{m['stall_seconds']:.3f} | {m['call_seconds']:.3f} | {m['stall_over_floor']} "
+                f"| {m['steps_with_write_running']} | {m['baseline_spread_seconds']:.3f} | "
+                f"{m['windows_under_other_load']} |"
             )
+    lines.append("")
     for size in results["sizes"]:
         ratio = size["methods"]["async"]["stall_over_floor"]
         verdict = "met" if ratio is not None and ratio <= 1.5 else "NOT met"
-        lines.append("")
-        lines.append(
-            f"{size['params'] / 1e6:.0f}M: async stall / floor = {ratio} (target <= 1.5: "
-            f"{verdict}); baseline window spread {size['baseline_spread_seconds']:.3f} s; "
-            f"windows started under other load: {size['noisy_windows']}."
-        )
+        lines.append(f"- {size['params'] / 1e6:.0f}M: async stall / floor = {ratio} "
+                     f"(target <= 1.5: {verdict}).")
+    lines.append(f"- Total run time {results['total_seconds']} s.")
     return "\n".join(lines) + "\n"
 
 
@@ -281,21 +282,17 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where to write checkpoints (default: "
                         "a temporary directory under the results folder's disk)")
     parser.add_argument("--out", default=str(RESULTS / "checkpoint_stall"))
-    parser.add_argument("--extra-nice", default="",
-                        help="also measure async saves with these writer_nice values, e.g. "
-                        "'0,none' (the plain 'async' row uses the manager's default)")
     parser.add_argument("--quiet-wait", type=float, default=20.0,
                         help="seconds to wait before each window for other load to stop")
     args = parser.parse_args()
     root = Path(args.dir or tempfile.gettempdir())
-    extra = [None if v == "none" else int(v) for v in args.extra_nice.split(",") if v]
     torch.set_flush_denormal(True)  # Adam's tiny second moments otherwise slow steps 10x
     started = time.perf_counter()
     results = {
         "machine": f"{os.cpu_count()} CPUs, {platform.machine()}, {platform.platform()}",
         "torch": torch.__version__, "threads": torch.get_num_threads(), "reps": args.reps,
         "checkpoint_dir": str(root),
-        "sizes": [measure(int(s), args.reps, root, args.quiet_wait, extra)
+        "sizes": [measure(int(s), args.reps, root, args.quiet_wait)
                   for s in args.sizes.split(",")],
     }
     results["total_seconds"] = round(time.perf_counter() - started, 1)

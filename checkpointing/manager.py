@@ -43,17 +43,15 @@ def _default_world_size() -> int:
 class _Job:
     """One background task; remembers its exception for the training thread to raise."""
 
-    def __init__(self, name: str, work: Callable[[], None], nice: int | None) -> None:
+    def __init__(self, name: str, work: Callable[[], None]) -> None:
         self.error: BaseException | None = None
         self._work = work
-        self._nice = nice
         # Not a daemon: interpreter exit waits for an in-flight write instead of dropping it.
         self._thread = threading.Thread(target=self._run, name=name, daemon=False)
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            _lower_priority(self._nice)
             self._work()
         except BaseException as exc:  # handed to the training thread by join()
             self.error = exc
@@ -67,17 +65,6 @@ class _Job:
 
     def running(self) -> bool:
         return self._thread.is_alive()
-
-
-def _lower_priority(nice: int | None) -> None:
-    """Make the calling thread yield the CPU to training (Linux: niceness is per thread)."""
-    if nice is None or not hasattr(os, "setpriority"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
-    except OSError as exc:
-        log.debug("writer_priority_unchanged", error=str(exc))
 
 
 class CheckpointManager:
@@ -97,7 +84,6 @@ class CheckpointManager:
         pin_memory: bool | None = None,
         stale_temp_seconds: float = 3600.0,
         read_only: bool = False,
-        writer_nice: int | None = 10,
     ) -> None:
         """Open (creating if needed) `directory` and remove leftovers of crashed writers.
 
@@ -107,11 +93,9 @@ class CheckpointManager:
         which an unmodified temp file of a live or remote writer counts as abandoned.
         `storage` replaces the local directory (then `directory` is only a label).
         read_only: for ranks that only load: no write probe, no cleanup, save() refused.
-        writer_nice: niceness (0..19) the background writer thread lowers itself to, so it
-        uses the CPU training leaves idle; None keeps the caller's priority.
         Raises CheckpointConfigError for bad values, StorageError if not writable.
         """
-        _check_config(keep_last, stale_temp_seconds, writer_nice)
+        _check_config(keep_last, stale_temp_seconds)
         if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
             raise CheckpointConfigError(
                 f"world_size={world_size!r} must be an int >= 1, or None to take it from "
@@ -121,7 +105,6 @@ class CheckpointManager:
         self.directory = os.fspath(directory)
         self.storage: Storage = storage if storage is not None else LocalStorage(directory)
         self._world_size = world_size
-        self._writer_nice = writer_nice
         self._snapshotter = Snapshotter(pin_memory)
         self._job: _Job | None = None
         self._lock = threading.Lock()
@@ -216,7 +199,7 @@ class CheckpointManager:
         self._cleaner.run(self.keep_last, protect=(step,))
 
     def _start_job(self, name: str, work: Callable[[], None]) -> None:
-        self._job = _Job(name, work, self._writer_nice)
+        self._job = _Job(name, work)
 
     def _finish_job(self, *, raise_error: bool) -> None:
         job = self._job
@@ -279,7 +262,7 @@ class CheckpointManager:
             self._finish_job(raise_error=False)
 
 
-def _check_config(keep_last: int, stale_temp_seconds: float, writer_nice: int | None) -> None:
+def _check_config(keep_last: int, stale_temp_seconds: float) -> None:
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 2:
         raise CheckpointConfigError(
             f"keep_last={keep_last!r}: keep_last must be >= 2 so a crash during a save always "
@@ -289,14 +272,6 @@ def _check_config(keep_last: int, stale_temp_seconds: float, writer_nice: int | 
         raise CheckpointConfigError(
             f"stale_temp_seconds={stale_temp_seconds!r} must be > 0; it should exceed the time "
             "one save takes (the default is 3600)"
-        )
-    if writer_nice is not None and (
-        isinstance(writer_nice, bool) or not isinstance(writer_nice, int)
-        or not 0 <= writer_nice <= 19
-    ):
-        raise CheckpointConfigError(
-            f"writer_nice={writer_nice!r} must be an int from 0 (normal priority) to 19 "
-            "(lowest), or None to leave the writer's priority alone"
         )
 
 

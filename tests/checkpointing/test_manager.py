@@ -268,33 +268,12 @@ def test_keep_last_below_two_says_how_to_fix(tmp_path):
 
 @pytest.mark.parametrize(
     ("option", "message"),
-    [({"writer_nice": 25}, "writer_nice=25 must be an int from 0"),
-     ({"writer_nice": -1}, "writer_nice=-1"),
-     ({"stale_temp_seconds": 0}, "stale_temp_seconds=0 must be > 0"),
+    [({"stale_temp_seconds": 0}, "stale_temp_seconds=0 must be > 0"),
      ({"world_size": 0}, "world_size=0 must be an int >= 1")],
 )
 def test_bad_options(tmp_path, option, message):
     with pytest.raises(CheckpointConfigError, match=message):
         CheckpointManager(tmp_path, **option)
-
-
-def test_writer_thread_runs_at_lower_priority(tmp_path):
-    seen = []
-
-    def hook(name, path):
-        if name == "write.opened":
-            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-
-    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    manager = CheckpointManager(tmp_path, writer_nice=7)
-    _hooks.phase_hook = hook
-    try:
-        manager.save(1, make_state(1), blocking=False)
-        manager.wait()
-    finally:
-        _hooks.phase_hook = None
-    assert seen and min(seen) >= 7
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller
 
 
 @pytest.mark.parametrize("step", [-1, 1.5, True, "3"])
