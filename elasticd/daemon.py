@@ -38,7 +38,12 @@ from elasticd.supervisor import Action, Decision, Phase, Policy, View, decide, r
 
 log = structlog.get_logger("elasticd.daemon")
 
-TICK_S = 0.05
+TICK_S = 0.1
+# After a peer crashed (or left), gloo makes our workers fail by themselves within
+# ~0.1 s, and rank 0 then commits the last completed step. Killing them at once would
+# race that save (measured: 17 steps lost), so a crash gets this grace; a silent peer
+# leaves them hung in a collective and they are killed at once.
+KILL_GRACE_S = 2.0
 # Exit status of a node marked failed (crash loop): the unit's RestartPreventExitStatus
 # lists it, so systemd does not restart a node whose script keeps crashing.
 FAILED_EXIT_CODE = 3
@@ -76,6 +81,9 @@ class Daemon:
         self.drain_reason: str | None = None
         self.hard_stop = False
         self.dead: dict[str, Peer] = {}
+        self._death_kind: dict[str, str] = {}
+        self._pending_kill: tuple[float, frozenset[int]] | None = None
+        self._left_rdzv = False
         self.job_state: str | None = None
         self.round: int | None = None
         self.completed_seen_at: float | None = None
@@ -168,6 +176,8 @@ class Daemon:
         self._read_progress()
         self._confirm_dead_peers()
         self._watch_workers()
+        self._kill_stuck_workers()
+        self._leave_early_when_drained()
         view = self._view()
         decision = decide(view, self.policy)
         if view.agent_exit is not None:
@@ -315,8 +325,10 @@ class Daemon:
                 self.log.info("peer refused its liveness probe; deleted its record", peer=peer.node_id)
         for peer in self.membership.take_departed():
             self._last_membership_change = self.clock()
-            if self._is_dead(peer):
+            death = self._death(peer)
+            if death is not None:
                 self.dead[peer.node_id] = peer
+                self._death_kind[peer.node_id] = death
         peers = frozenset(self.membership.peers())
         if peers - self._known_peers:
             self._last_membership_change = self.clock()
@@ -341,16 +353,38 @@ class Daemon:
         if cause == "crash":
             self.failures.append(self.clock())
 
-    def _is_dead(self, peer: Peer) -> bool:
+    def _death(self, peer: Peer) -> str | None:
+        """How a departed peer went: ``left``, ``crashed`` or ``silent``; None if it answers."""
         if peer.state in ("leaving", "completed", "failed"):
-            return True
+            return "left"
         endpoint = peer.record.get("probe")
         liveness = probe(endpoint, CONFIRM_TIMEOUT_S) if endpoint else Liveness.REFUSED
         if liveness is Liveness.ALIVE:
             self.log.info("peer record vanished but the peer answers; waiting for it to re-register",
                           peer=peer.node_id)
-            return False
-        return True
+            return None
+        return "crashed" if liveness is Liveness.REFUSED else "silent"
+
+    def _kill_stuck_workers(self) -> None:
+        """Kill, after KILL_GRACE_S, workers of the old world that did not fail by themselves."""
+        if self._pending_kill is None or self.clock() < self._pending_kill[0]:
+            return
+        old = self._pending_kill[1]
+        self._pending_kill = None
+        stuck = [p for p in (self.agent.workers(direct=True) if self.agent else []) if p.pid in old]
+        if stuck:
+            proctree.kill_processes(stuck)
+            self.log.info("killed workers still in the old world after the grace",
+                          pids=[p.pid for p in stuck])
+
+    def _leave_early_when_drained(self) -> None:
+        """Draining: once our workers have exited, take our agent out of the rendezvous at
+        once, so the others need not wait for the agent's own shutdown."""
+        if self.phase is not Phase.DRAINING or self._left_rdzv or self.agent is None:
+            return
+        if not self.agent.workers(direct=True):
+            self._left_rdzv = True
+            self._leave_rendezvous()
 
     # -- acting ------------------------------------------------------------------------
 
@@ -388,7 +422,13 @@ class Daemon:
         was_running = any(p.state == "running" for p in peers)
         in_round = removal.in_round if removal and removal.removed else was_running
         self._last_membership_change = self.clock()
-        killed = self.agent.kill_workers() if in_round and self.agent else 0
+        killed = 0
+        if in_round and self.agent is not None:
+            if any(self._death_kind.pop(p.node_id, "") == "silent" for p in peers):
+                killed = self.agent.kill_workers()
+            else:
+                workers = frozenset(p.pid for p in self.agent.workers(direct=True))
+                self._pending_kill = (self.clock() + KILL_GRACE_S, workers)
         for peer in peers:
             self.journal.record("peer-lost", peer=peer.node_id, killed_workers=killed)
             self.metrics.evictions.inc()
