@@ -93,6 +93,7 @@ class Daemon:
         self._step_at_start: int | None = None
         self._last_reason = ""
         self._checkpoint_read_at = float("-inf")
+        self._status_sent_at = float("-inf")
         self._known_peers: frozenset[str] = frozenset()
         self._published_step: int | None = None
         self._ready_sent = False
@@ -297,8 +298,10 @@ class Daemon:
         self._publish_progress()
 
     def _publish_progress(self) -> None:
-        self.notifier.status(self._status_line())
         now = self.clock()
+        if now - self._status_sent_at >= 1.0:   # STATUS= at most once a second
+            self._status_sent_at = now
+            self.notifier.status(self._status_line())
         if now - self._checkpoint_read_at >= CHECKPOINT_EVERY_S or self.progress.get("event") in (
                 "checkpoint", "stopped", "completed"):
             self._checkpoint_read_at = now

@@ -16,7 +16,6 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from elasticd.errors import EtcdError
 from elasticd.etcd_client import EtcdClient
 from elasticd.lease import LeaseKeeper
 
@@ -122,5 +121,3 @@ class EtcdV3Store(dist.Store):
     def clone(self) -> EtcdV3Store:
         return EtcdV3Store(self._client, self._prefix, self._lease, self.timeout)
 
-
-__all__ = ["EtcdV3Store", "EtcdError"]
