@@ -20,7 +20,7 @@ included, so a write that does not finish in time is counted. Before each window
 benchmark waits (up to --quiet-wait s) until other processes use < 15% of the CPUs, and
 reports windows that started under load anyway.
 
-    python benchmarks/checkpoint_stall.py [--sizes 10,100] [--reps 3] [--dir DIR]
+    python benchmarks/checkpoint_stall.py [--sizes 10,100] [--reps 10:9,100:3] [--dir DIR]
 
 Writes benchmarks/results/checkpoint_stall.json and .md.
 """
@@ -206,6 +206,7 @@ def measure(millions: int, reps: int, root: Path, quiet_wait: float) -> dict[str
                 window = timed_window(work, methods, name, k, quiet_wait)
                 after = timed_window(work, methods, "none", k, quiet_wait)
                 window["baseline"] = (before["window"] + after["window"]) / 2
+                window["baseline_min"] = min(before["window"], after["window"])
                 window["baseline_spread"] = abs(before["window"] - after["window"])
                 window["noisy"] = max(before["busy_before"], window["busy_before"],
                                       after["busy_before"])
@@ -226,7 +227,12 @@ def summarize(work: Workload, runs: dict[str, list[dict[str, float]]], steps: di
         stalls = [r["window"] - r["baseline"] for r in rs]
         out["methods"][name] = {
             "window_steps": steps[name],
+            "reps": len(rs),
             "stall_seconds": round(statistics.median(stalls), 4),
+            # Other tenants only ever add time, so the fastest window of each kind is the
+            # least disturbed: a second estimate, robust to load bursts.
+            "stall_min_seconds": round(min(r["window"] for r in rs) - min(r["baseline_min"]
+                                                                         for r in rs), 4),
             "stall_runs": [round(x, 4) for x in stalls],
             "baseline_window_seconds": round(statistics.median(r["baseline"] for r in rs), 4),
             "baseline_spread_seconds": round(max(r["baseline_spread"] for r in rs), 4),
@@ -235,10 +241,15 @@ def summarize(work: Workload, runs: dict[str, list[dict[str, float]]], steps: di
             "steps_with_write_running": max(r["steps_with_write_running"] for r in rs),
             "windows_under_other_load": sum(r["noisy"] >= 0.15 for r in rs),
         }
-    floor = out["methods"]["floor"]["stall_seconds"]
+    floor = out["methods"]["floor"]
     for m in out["methods"].values():
-        m["stall_over_floor"] = round(m["stall_seconds"] / floor, 2) if floor > 0 else None
+        m["stall_over_floor"] = _ratio(m["stall_seconds"], floor["stall_seconds"])
+        m["stall_min_over_floor"] = _ratio(m["stall_min_seconds"], floor["stall_min_seconds"])
     return out
+
+
+def _ratio(value: float, floor: float) -> float | None:
+    return round(value / floor, 2) if floor > 0 else None
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -246,31 +257,36 @@ def markdown(results: dict[str, Any]) -> str:
         "# Checkpoint stall (benchmarks/checkpoint_stall.py)",
         "",
         f"{results['machine']}; torch {results['torch']}, {results['threads']} threads; "
-        f"{results['reps']} repetitions, medians; checkpoints in {results['checkpoint_dir']}. "
+        f"checkpoints in {results['checkpoint_dir']}. "
         "Stall = wall time of the training steps spanning one save (the save call, "
         "background-write interference and a final wait() included) minus the mean of the "
-        "same number of steps without a save right before and after. floor = copy of the "
-        "state into preallocated buffers.",
+        "same number of steps without a save right before and after; median over the "
+        "repetitions. min-based = fastest save window - fastest baseline window (robust to "
+        "other tenants' load bursts, which only add time). floor = copy of the state into "
+        "preallocated buffers.",
         "",
-        "| params | state | step | method | window | stall (s) | call (s) | stall / floor "
-        "| steps overlapping the write | baseline spread (s) | windows under other load |",
-        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| params | state | step | method | window | reps | stall (s) | / floor "
+        "| min-based stall (s) | / floor | call (s) | steps overlapping the write "
+        "| baseline spread (s) |",
+        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for size in results["sizes"]:
         for name, m in size["methods"].items():
             lines.append(
                 f"| {size['params'] / 1e6:.1f}M | {size['state_bytes'] / 1e9:.2f} GB | "
                 f"{size['step_seconds']:.3f} s | {name} | {m['window_steps']} steps | "
-                f"{m['stall_seconds']:.3f} | {m['call_seconds']:.3f} | {m['stall_over_floor']} "
-                f"| {m['steps_with_write_running']} | {m['baseline_spread_seconds']:.3f} | "
-                f"{m['windows_under_other_load']} |"
+                f"{m['reps']} | {m['stall_seconds']:.3f} | {m['stall_over_floor']} | "
+                f"{m['stall_min_seconds']:.3f} | {m['stall_min_over_floor']} | "
+                f"{m['call_seconds']:.3f} | {m['steps_with_write_running']} | "
+                f"{m['baseline_spread_seconds']:.3f} |"
             )
     lines.append("")
     for size in results["sizes"]:
-        ratio = size["methods"]["async"]["stall_over_floor"]
-        verdict = "met" if ratio is not None and ratio <= 1.5 else "NOT met"
-        lines.append(f"- {size['params'] / 1e6:.0f}M: async stall / floor = {ratio} "
-                     f"(target <= 1.5: {verdict}).")
+        m = size["methods"]["async"]
+        ratios = (m["stall_over_floor"], m["stall_min_over_floor"])
+        verdict = "met" if all(r is not None and r <= 1.5 for r in ratios) else "NOT met"
+        lines.append(f"- {size['params'] / 1e6:.0f}M: async stall / floor = {ratios[0]} "
+                     f"(median), {ratios[1]} (min-based); target <= 1.5: {verdict}.")
     lines.append(f"- Total run time {results['total_seconds']} s.")
     return "\n".join(lines) + "\n"
 
@@ -278,21 +294,23 @@ def markdown(results: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10,100", help="millions of parameters: 10,100")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", default="10:9,100:3",
+                        help="repetitions per size (size:reps,...); short windows get more")
     parser.add_argument("--dir", default=None, help="where to write checkpoints (default: "
                         "a temporary directory under the results folder's disk)")
     parser.add_argument("--out", default=str(RESULTS / "checkpoint_stall"))
-    parser.add_argument("--quiet-wait", type=float, default=20.0,
+    parser.add_argument("--quiet-wait", type=float, default=10.0,
                         help="seconds to wait before each window for other load to stop")
     args = parser.parse_args()
     root = Path(args.dir or tempfile.gettempdir())
+    reps = {int(k): int(v) for k, v in (pair.split(":") for pair in args.reps.split(","))}
     torch.set_flush_denormal(True)  # Adam's tiny second moments otherwise slow steps 10x
     started = time.perf_counter()
     results = {
         "machine": f"{os.cpu_count()} CPUs, {platform.machine()}, {platform.platform()}",
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "reps": args.reps,
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
         "checkpoint_dir": str(root),
-        "sizes": [measure(int(s), args.reps, root, args.quiet_wait)
+        "sizes": [measure(int(s), reps.get(int(s), 3), root, args.quiet_wait)
                   for s in args.sizes.split(",")],
     }
     results["total_seconds"] = round(time.perf_counter() - started, 1)

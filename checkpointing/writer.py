@@ -7,7 +7,10 @@ Runs in the background writer thread for asynchronous saves, so it hashes while 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import inspect
+import pickle
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -53,11 +56,48 @@ class _HashingSink:
         return FileEntry(self.nbytes, self._sha.hexdigest())
 
 
+@functools.cache
+def _crc_free_save_available() -> bool:
+    """Whether torch's private zip writer API has the shape serialize() relies on."""
+    try:
+        params = list(inspect.signature(torch.serialization._save).parameters)
+        torch._C.PyTorchFileWriter(_NullSink(), False, 64)
+    except (AttributeError, TypeError, ValueError, RuntimeError):
+        return False
+    return params == ["obj", "zip_file", "pickle_module", "pickle_protocol",
+                      "_disable_byteorder_record"]
+
+
+class _NullSink:
+    def write(self, data: bytes | memoryview) -> int:
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+def serialize(tree: Any, sink: Any) -> None:
+    """torch.save(tree, sink) without the zip CRC32 of every record, when torch allows.
+
+    The manifest's sha256 already covers every byte, and the CRC costs the background
+    writer ~0.2 s of CPU per GB, which CPU-bound training pays for (measured here: async
+    stall at 1.2 GB 1.65 s with CRC, ~1.0-1.2 s without). torch's only switch is a
+    process-global config, so this drives torch.save's own writer with the flag off; it
+    falls back to torch.save if that private API changes. torch.load reads both.
+    """
+    if not _crc_free_save_available():
+        torch.save(tree, sink)
+        return
+    writer = torch._C.PyTorchFileWriter(sink, False, torch.serialization._get_storage_alignment())
+    torch.serialization._save(tree, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+    writer.write_end_of_file()
+
+
 def _write_data(storage: Storage, path: str, tree: Any) -> FileEntry:
     with storage.open_write(path) as out:
         sink = _HashingSink(out)
         try:
-            torch.save(tree, sink)
+            serialize(tree, sink)
         except Exception as exc:
             if sink.error is not None:
                 raise sink.error from None

@@ -4,6 +4,7 @@ translated into the package's exceptions."""
 from __future__ import annotations
 
 import os
+import zipfile
 
 import pytest
 
@@ -67,4 +68,20 @@ def test_checkpoints_load_through_streams_when_mmap_is_unavailable(tmp_path):
     manager = CheckpointManager(tmp_path, storage=StreamOnly(tmp_path))
     manager.save(1, make_state(1), blocking=False)
     manager.wait()
+    assert_same(manager.load_latest().state, make_state(1))
+
+
+@pytest.mark.parametrize("crc_free", [True, False])
+def test_serialization_with_and_without_torch_crc(tmp_path, monkeypatch, crc_free):
+    from checkpointing import writer
+
+    if not crc_free:  # what happens if torch's private writer API changes
+        monkeypatch.setattr(writer, "_crc_free_save_available", lambda: False)
+    else:
+        assert writer._crc_free_save_available(), "torch changed: the CRC-free path is gone"
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, make_state(1))
+    (data,) = tmp_path.glob("step-*/state-*.pt")
+    crcs = [info.CRC for info in zipfile.ZipFile(data).infolist() if info.file_size]
+    assert all(c == 0 for c in crcs) if crc_free else all(c != 0 for c in crcs)
     assert_same(manager.load_latest().state, make_state(1))
