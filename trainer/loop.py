@@ -183,7 +183,9 @@ class ElasticTrainer:
         self.ddp = tdist.wrap_ddp(self.state.model, self.device, **self.config.ddp_kwargs)
 
     def _close(self) -> None:
-        self.stop.uninstall()
+        # The stop handlers stay installed until the process exits: restoring the default
+        # SIGTERM action here let the agent's SIGTERM (sent once a peer died) kill the
+        # worker before it logged its exit code (seen under load in CI).
         if self.checkpoints is not None:
             try:
                 self.checkpoints.close()  # an in-flight periodic save still commits
