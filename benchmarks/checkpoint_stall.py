@@ -20,7 +20,10 @@ included, so a write that does not finish in time is counted. Before each window
 benchmark waits (up to --quiet-wait s) until other processes use < 15% of the CPUs, and
 reports windows that started under load anyway.
 
-    python benchmarks/checkpoint_stall.py [--sizes 10,100] [--reps 10:9,100:3] [--dir DIR]
+    python benchmarks/checkpoint_stall.py [--sizes 10,100] [--reps 10:9,100:5] [--dir DIR]
+        [--threads N] [--out benchmarks/results/checkpoint_stall]
+
+--threads 1 leaves one of two cores to the writer, as GPU training leaves the CPU.
 
 Writes benchmarks/results/checkpoint_stall.json and .md.
 """
@@ -294,7 +297,9 @@ def markdown(results: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10,100", help="millions of parameters: 10,100")
-    parser.add_argument("--reps", default="10:9,100:3",
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads for training (default: torch's choice)")
+    parser.add_argument("--reps", default="10:9,100:5",
                         help="repetitions per size (size:reps,...); short windows get more")
     parser.add_argument("--dir", default=None, help="where to write checkpoints (default: "
                         "a temporary directory under the results folder's disk)")
@@ -305,6 +310,8 @@ def main() -> None:
     root = Path(args.dir or tempfile.gettempdir())
     reps = {int(k): int(v) for k, v in (pair.split(":") for pair in args.reps.split(","))}
     torch.set_flush_denormal(True)  # Adam's tiny second moments otherwise slow steps 10x
+    if args.threads:
+        torch.set_num_threads(args.threads)
     started = time.perf_counter()
     results = {
         "machine": f"{os.cpu_count()} CPUs, {platform.machine()}, {platform.platform()}",
@@ -316,8 +323,8 @@ def main() -> None:
     results["total_seconds"] = round(time.perf_counter() - started, 1)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(results))
+    Path(f"{out}.json").write_text(json.dumps(results, indent=1) + "\n")
+    Path(f"{out}.md").write_text(markdown(results))
     print(markdown(results))
 
 
