@@ -127,3 +127,37 @@ def test_env_example_sets_only_known_overrides():
     assert mentioned == set(ENV_OVERRIDES), "document every override, and only those"
     others = set(re.findall(r"^#?([A-Z][A-Z0-9_]+)=", text, re.MULTILINE)) - mentioned
     assert all(v.startswith("NCCL_") for v in others), others
+
+
+def _shipped_configs() -> list[tuple[str, dict]]:
+    """Every config a node can get: deploy/config/*.toml and the copies cloud-init embeds."""
+    out = [(c.name, tomllib.loads(c.read_text())) for c in CONFIGS]
+    for user_data in sorted((DEPLOY / "cloud-init").glob("*.yaml")):
+        for match in re.finditer(r"^( *)# BEGIN (\S+\.toml)\n\1content: \|\n(.*?)^\1# END \2\n",
+                                 user_data.read_text(), re.MULTILINE | re.DOTALL):
+            body = "\n".join(line[len(match[1]) + 2:] for line in match[3].splitlines())
+            out.append((f"{user_data.name}:{match[2]}", tomllib.loads(body)))
+    return out
+
+
+SHIPPED = _shipped_configs()
+
+
+def test_the_embedded_copies_are_found():
+    assert any(":" in name for name, _ in SHIPPED), [name for name, _ in SHIPPED]
+
+
+@pytest.mark.parametrize(("name", "raw"), SHIPPED, ids=[n for n, _ in SHIPPED])
+def test_no_shipped_config_starves_torchrun_restarts(name, raw):
+    """torchrun spends a restart on every membership change as well as on a crash: a small
+    --max-restarts ends the job after a few preemptions (the daemon ends crash loops)."""
+    restarts = raw.get("supervisor", {}).get("worker_restarts", 10000)
+    assert restarts >= 1000, f"{name}: supervisor.worker_restarts = {restarts}; remove it (default 10000)"
+
+
+@pytest.mark.parametrize(("name", "raw"), SHIPPED, ids=[n for n, _ in SHIPPED])
+def test_no_shipped_config_exposes_metrics_on_every_interface(name, raw):
+    metrics = raw.get("metrics", {})
+    if metrics.get("port", 0):
+        assert metrics.get("addr", "127.0.0.1") not in ("0.0.0.0", "::", ""), \
+            f"{name}: metrics.addr = {metrics.get('addr')!r}; bind 127.0.0.1 or a private address"
