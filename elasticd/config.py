@@ -282,14 +282,90 @@ def _apply_env(raw: dict[str, dict[str, Any]], env: dict[str, str]) -> dict[str,
 
 
 def _build(section: str, cls: type, values: dict[str, Any]) -> Any:
+    """One section's dataclass from its TOML table; every error names the key and the fix.
+
+    Types are checked here, against the dataclass annotations, before ``__post_init__``
+    runs: its range checks would otherwise hit a TypeError (``0 < "x"``) or, worse, accept
+    a wrong type that happens to iterate (a string where a list of strings is expected).
+    """
+    import json
+    import types
+    import typing
+
     known = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(known))
     if unknown:
         raise ConfigError(f"[{section}] has unknown key(s) {unknown}; known: {sorted(known)}")
+    missing = [name for name, f in known.items() if f.init and name not in values
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"[{section}] is incomplete: the required key(s) {', '.join(missing)} "
+                          f"are missing; add them to [{section}]")
+    hints = typing.get_type_hints(cls)
+
+    def accepts(hint: Any, value: Any) -> bool:
+        origin = typing.get_origin(hint)
+        if hint is Any:
+            return True
+        if origin in (typing.Union, types.UnionType):
+            return any(accepts(arg, value) for arg in typing.get_args(hint))
+        if hint is type(None):
+            return value is None
+        if hint is bool:
+            return isinstance(value, bool)
+        if hint is int:      # TOML true/false are not numbers, although bool subclasses int
+            return isinstance(value, int) and not isinstance(value, bool)
+        if hint is float:    # TOML writes whole seconds as integers: 600 is a valid float
+            return isinstance(value, int | float) and not isinstance(value, bool)
+        if hint is str:
+            return isinstance(value, str)
+        if origin is tuple:
+            item = typing.get_args(hint)[0]
+            return isinstance(value, list | tuple) and all(accepts(item, v) for v in value)
+        return True          # a type this check does not know: __post_init__ decides
+
+    def expected(hint: Any, key: str) -> tuple[str, str]:
+        """(what the type is in words, an example line that is right)."""
+        origin = typing.get_origin(hint)
+        if origin in (typing.Union, types.UnionType):
+            parts = [expected(arg, key) for arg in typing.get_args(hint) if arg is not type(None)]
+            return " or ".join(p[0] for p in parts), parts[0][1]
+        if hint is bool:
+            return "true or false", f"{key} = true"
+        if hint is int:
+            return "a whole number", f"{key} = 2"
+        if hint is float:
+            return "a number", f"{key} = 1.5"
+        if hint is str:
+            return "a string", f'{key} = "..."'
+        if origin is tuple:
+            return "a list of strings", f'{key} = ["a", "b"]'
+        return str(hint), f"{key} = ..."
+
+    def fix(hint: Any, key: str, value: Any) -> str:
+        _, example = expected(hint, key)
+        # The most common slips get the corrected line itself.
+        if isinstance(value, str) and value.strip().lstrip("-").replace(".", "", 1).isdigit():
+            number = float(value) if "." in value else int(value)
+            if accepts(hint, number):
+                return f"write it without quotes: {key} = {number}"
+        if isinstance(value, str) and accepts(hint, [value]):
+            return f"write it as a list: {key} = {json.dumps([value])}"
+        if isinstance(value, list) and len(value) == 1 and accepts(hint, value[0]):
+            return f"write the one value, not a list: {key} = {json.dumps(value[0])}"
+        return f"write it like {example}"
+
+    for key, value in values.items():
+        hint = hints.get(key, Any)
+        if not accepts(hint, value):
+            what, _ = expected(hint, key)
+            raise ConfigError(f"[{section}] {key} = {value!r} has the wrong type "
+                              f"({type(value).__name__}); expected {what}: {fix(hint, key, value)}")
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
     try:
         return cls(**kwargs)
     except TypeError as exc:
-        raise ConfigError(f"[{section}] is incomplete: {exc}") from None
+        # The checks above leave no TypeError that names a key; say which section at least.
+        raise ConfigError(f"[{section}] has a value of the wrong type: {exc}") from None
     except ConfigError as exc:
         raise ConfigError(f"[{section}] {exc}") from None
