@@ -79,7 +79,13 @@ class Journal:
 
 def recent_events(client: EtcdClient, keys: JobKeys, limit: int = 20,
                   warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """The newest ``limit`` journal entries, oldest first.
+    """The newest ``limit`` journal entries, oldest first (see ``recent_entries``)."""
+    return [entry for _, entry in recent_entries(client, keys, limit, warn)]
+
+
+def recent_entries(client: EtcdClient, keys: JobKeys, limit: int = 20,
+                   warn: Callable[[str], None] | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """(key, entry) of the newest ``limit`` journal entries, oldest first.
 
     Anyone with write access to the prefix can put anything there: an entry that is not
     a JSON object is skipped (``warn`` hears its key), so readers only see dicts.
@@ -92,7 +98,7 @@ def recent_events(client: EtcdClient, keys: JobKeys, limit: int = 20,
         except ValueError:  # also covers bytes that are not UTF-8
             entry = None
         if isinstance(entry, dict):
-            out.append(entry)
+            out.append((kv.key, entry))
         elif warn is not None:
             warn(f"{kv.key}: journal entry is not a JSON object; skipped")
     return out

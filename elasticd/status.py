@@ -1,16 +1,30 @@
-"""``elasticd status``: one read of the job's keys in etcd, as a dict or as text."""
+"""``elasticd status``: one read of the job's keys in etcd, as a dict or as text.
+
+Every value comes from etcd, where anything with write access to the job's prefix
+can put anything. Each one is checked before use; a bad one is treated as absent
+and named once in ``warnings`` (the key and what is wrong), so a malformed entry
+costs one line of output, never the whole command.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from elasticd.config import Config
 from elasticd.etcd_client import EtcdClient
-from elasticd.journal import recent_events
+from elasticd.journal import recent_entries
 from elasticd.rendezvous import admin
 from elasticd.rendezvous.keys import JobKeys
+
+# Node record fields shown by status, and the types a daemon writes them with.
+_NODE_FIELDS: dict[str, tuple[type, ...]] = {
+    "node_id": (str,), "state": (str,), "addr": (str,),
+    "agent_pid": (int, type(None)), "daemon_pid": (int, type(None)), "updated": (int, float),
+}
 
 
 def read_status(config: Config, events: int = 10) -> dict[str, Any]:
@@ -21,31 +35,155 @@ def read_status(config: Config, events: int = 10) -> dict[str, Any]:
         client.close()
 
 
+class _Warnings:
+    """Collects one warning per key, in the order found."""
+
+    def __init__(self) -> None:
+        self.lines: dict[str, str] = {}
+
+    def __call__(self, key: str, problem: str) -> None:
+        self.lines.setdefault(key, f"{key}: {problem}; treated as absent")
+
+    def line(self, text: str) -> None:
+        """A warning already worded by its reader (the journal's)."""
+        self.lines.setdefault(text, text)
+
+
+def _json_object(raw: bytes, key: str, warn: _Warnings) -> dict[str, Any] | None:
+    try:
+        value = json.loads(raw)
+    except ValueError:  # also bytes that are not UTF-8
+        warn(key, f"not JSON ({_preview(raw)})")
+        return None
+    if not isinstance(value, dict):
+        warn(key, f"not a JSON object ({_preview(raw)})")
+        return None
+    return value
+
+
+def _preview(raw: bytes, chars: int = 40) -> str:
+    text = repr(raw[:chars])
+    return text + "..." if len(raw) > chars else text
+
+
+def _is(value: Any, types: tuple[type, ...]) -> bool:
+    # bool is an int subclass, but a pid or a step of `true` is as wrong as a string.
+    if isinstance(value, bool) and bool not in types:
+        return False
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    return isinstance(value, types)
+
+
+def _field(record: dict[str, Any], name: str, types: tuple[type, ...], key: str,
+           warn: _Warnings) -> Any:
+    value = record.get(name)
+    if value is None or _is(value, types):
+        return value
+    warn(f"{key} {name}", f"{value!r} is a {type(value).__name__}, expected "
+         f"{' or '.join(t.__name__ for t in types if t is not type(None))}")
+    return None
+
+
+def _guarded(what: str, key: str, warn: _Warnings, read: Callable[[], Any]) -> Any:
+    """``read()``, or None and a warning if it raises anything at all.
+
+    For reads that decode foreign data (torch's pickled rendezvous state): the
+    decoder's exceptions are not ours to enumerate, and none may end the command.
+    """
+    try:
+        return read()
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        warn(key, f"{what} could not be read ({type(exc).__name__}: {exc})")
+        return None
+
+
 def _read(client: EtcdClient, keys: JobKeys, events: int) -> dict[str, Any]:
-    state = client.get(keys.state)
-    latest = client.get(keys.checkpoint_latest)
-    rdzv = admin.current_round(client, keys)
+    warn = _Warnings()
     now = time.time()
-    nodes = []
-    for kv in sorted(client.get_prefix(keys.nodes), key=lambda kv: kv.key):
-        record = json.loads(kv.value)
-        nodes.append({
-            "node": record.get("node_id"), "state": record.get("state"), "addr": record.get("addr"),
-            "agent_pid": record.get("agent_pid"), "daemon_pid": record.get("daemon_pid"),
-            "last_update_s_ago": round(now - record.get("updated", now), 1),
-            "lease_ttl_left_s": client.lease_ttl(kv.lease_id) if kv.lease_id else None,
-        })
     return {
         "job": keys.job_id,
-        "state": json.loads(state.value).get("state") if state else "running",
-        "nodes": nodes,
-        "round": rdzv.round if rdzv else None,
-        "world_nodes": rdzv.world_nodes if rdzv else 0,
-        "rendezvous_complete": rdzv.complete if rdzv else False,
-        "waiting_nodes": rdzv.waiting if rdzv else 0,
-        "checkpoint": json.loads(latest.value) if latest else None,
-        "events": recent_events(client, keys, events),
+        "state": _job_state(client, keys, warn),
+        "nodes": _nodes(client, keys, warn, now),
+        **_round(client, keys, warn),
+        "checkpoint": _checkpoint(client, keys, warn),
+        "events": _events(client, keys, events, warn),
+        "warnings": list(warn.lines.values()),
     }
+
+
+def _job_state(client: EtcdClient, keys: JobKeys, warn: _Warnings) -> str:
+    kv = client.get(keys.state)
+    record = _json_object(kv.value, keys.state, warn) if kv else None
+    state = _field(record, "state", (str,), keys.state, warn) if record is not None else None
+    return state or "running"
+
+
+def _nodes(client: EtcdClient, keys: JobKeys, warn: _Warnings, now: float) -> list[dict[str, Any]]:
+    nodes = []
+    for kv in sorted(client.get_prefix(keys.nodes), key=lambda kv: kv.key):
+        record = _json_object(kv.value, kv.key, warn)
+        if record is None:
+            continue
+        f = {name: _field(record, name, types, kv.key, warn) for name, types in _NODE_FIELDS.items()}
+        ttl = _guarded("the lease", f"{kv.key} lease", warn,
+                       lambda kv=kv: client.lease_ttl(kv.lease_id)) if kv.lease_id else None
+        nodes.append({
+            "node": f["node_id"] or kv.key.removeprefix(keys.nodes), "state": f["state"],
+            "addr": f["addr"], "agent_pid": f["agent_pid"], "daemon_pid": f["daemon_pid"],
+            "last_update_s_ago": None if f["updated"] is None else round(now - f["updated"], 1),
+            "lease_ttl_left_s": ttl,
+        })
+    return nodes
+
+
+def _round(client: EtcdClient, keys: JobKeys, warn: _Warnings) -> dict[str, Any]:
+    absent = {"round": None, "world_nodes": 0, "rendezvous_complete": False, "waiting_nodes": 0}
+    rdzv = _guarded("the rendezvous state", keys.rdzv_state, warn,
+                    lambda: admin.current_round(client, keys))
+    if rdzv is None:
+        return absent
+    # The view's fields come out of a decoded foreign blob: check them like any value.
+    view = _guarded("the rendezvous state", keys.rdzv_state, warn, lambda: {
+        "round": rdzv.round, "world_nodes": rdzv.world_nodes,
+        "rendezvous_complete": rdzv.complete, "waiting_nodes": rdzv.waiting})
+    if view is None:
+        return absent
+    ok = (_is(view["round"], (int,)) and _is(view["world_nodes"], (int,))
+          and isinstance(view["rendezvous_complete"], bool) and _is(view["waiting_nodes"], (int,)))
+    if not ok:
+        warn(keys.rdzv_state, f"the rendezvous state has unexpected fields ({view!r:.120})")
+        return absent
+    return view
+
+
+def _checkpoint(client: EtcdClient, keys: JobKeys, warn: _Warnings) -> dict[str, Any] | None:
+    kv = client.get(keys.checkpoint_latest)
+    record = _json_object(kv.value, keys.checkpoint_latest, warn) if kv else None
+    if record is None:
+        return None
+    step = record.get("step")
+    if not _is(step, (int,)) or step < 0:
+        warn(keys.checkpoint_latest, f"step {step!r} is not a whole number >= 0")
+        return None
+    node = _field(record, "node", (str,), keys.checkpoint_latest, warn)
+    return {**record, "step": step, "node": node or "?"}
+
+
+def _events(client: EtcdClient, keys: JobKeys, limit: int, warn: _Warnings) -> list[dict[str, Any]]:
+    out = []
+    for where, entry in recent_entries(client, keys, limit, warn=warn.line):
+        out.append({**entry, "kind": _field(entry, "kind", (str,), where, warn) or "?",
+                    "node": _field(entry, "node", (str,), where, warn) or "?",
+                    "time": _field(entry, "time", (int, float), where, warn) or 0})
+    return out
+
+
+def _clock(stamp: float) -> str:
+    try:
+        return time.strftime("%H:%M:%S", time.localtime(stamp))
+    except (OverflowError, OSError, ValueError):  # a valid float far beyond any real date
+        return "??:??:??"
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -58,11 +196,14 @@ def format_status(status: dict[str, Any]) -> str:
         "nodes:",
     ]
     for n in status["nodes"]:
-        lines.append(f"  {n['node']:<16} {n['state']:<10} addr {n['addr']}, agent pid {n['agent_pid']}, "
+        # str(): a field treated as absent is None, which format specs refuse.
+        lines.append(f"  {n['node']!s:<16} {n['state']!s:<10} addr {n['addr']}, agent pid {n['agent_pid']}, "
                      f"lease {n['lease_ttl_left_s']} s left, updated {n['last_update_s_ago']} s ago")
     lines.append("recent events:")
     for e in status["events"]:
-        when = time.strftime("%H:%M:%S", time.localtime(e.get("time", 0)))
+        when = _clock(e.get("time", 0))
         extra = {k: v for k, v in e.items() if k not in ("kind", "node", "time")}
-        lines.append(f"  {when} {e.get('node', '?'):<16} {e.get('kind')} {extra if extra else ''}".rstrip())
+        lines.append(f"  {when} {e.get('node', '?')!s:<16} {e.get('kind')} {extra if extra else ''}".rstrip())
+    for warning in status.get("warnings", []):
+        lines.append(f"warning: {warning}")
     return "\n".join(lines)

@@ -1,0 +1,141 @@
+"""`elasticd status` against a real etcd holding malformed values, as anyone with write
+access to the job's prefix could leave them: one clear warning naming the key, the rest
+of the status, exit 0, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import time
+import uuid
+
+import pytest
+from click.testing import CliRunner
+
+from elasticd.cli import main
+from elasticd.etcd_client import EtcdClient, EtcdSettings
+from elasticd.rendezvous.keys import JobKeys
+
+
+@pytest.fixture
+def client(etcd_server):
+    c = EtcdClient(EtcdSettings(endpoints=(etcd_server.endpoint,), retry_s=5))
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def job_id() -> str:
+    """Unique per test and per parameter (the suite's job_id cuts long parametrized names)."""
+    return f"status-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def config(tmp_path, etcd_server, job_id):
+    path = tmp_path / "node.toml"
+    path.write_text(f'[job]\nid = "{job_id}"\nentrypoint = ["train.py"]\n\n'
+                    f'[etcd]\nendpoints = ["{etcd_server.endpoint}"]\n')
+    return path
+
+
+def good_node(node: str = "n1") -> dict:
+    return {"node_id": node, "state": "running", "addr": "127.0.0.1", "agent_pid": 123,
+            "daemon_pid": 122, "updated": time.time()}
+
+
+def status(config, *args: str) -> str:
+    """The command's stdout; it must exit 0 without an exception escaping it."""
+    result = CliRunner().invoke(main, ["status", "--config", str(config), *args])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exc_info
+    assert result.exit_code == 0, result.output
+    # stderr may carry torch's own import-time logging; the command's output is stdout.
+    assert "Traceback" not in result.stdout
+    return result.stdout
+
+
+def test_well_formed_values_give_no_warning(client, config, job_id):
+    keys = JobKeys(job_id)
+    lease = client.grant_lease(30)
+    client.put(keys.node("n1"), json.dumps(good_node()).encode(), lease=lease)
+    client.put(keys.checkpoint_latest, json.dumps({"step": 40, "node": "n1"}).encode())
+    client.put(f"{keys.events}00000000000000000001-n1",
+               json.dumps({"kind": "node-joined", "node": "n1", "time": time.time()}).encode())
+    out = status(config)
+    assert "warning: " not in out
+    assert "n1" in out and "running" in out and "newest checkpoint: step 40 (by n1)" in out
+    assert "node-joined" in out
+    client.revoke_lease(lease)
+
+
+# (key under the job's prefix, raw value, words the warning line must contain)
+MALFORMED = [
+    ("nodes/n1", b"[]", "nodes/n1: not a JSON object"),
+    ("nodes/n1", b"not json", "nodes/n1: not JSON"),
+    ("nodes/n1", b"\xff\xfe", "nodes/n1: not JSON"),
+    ("nodes/n1", json.dumps(good_node() | {"updated": "yesterday"}).encode(),
+     "nodes/n1 updated: 'yesterday' is a str, expected int or float"),
+    ("nodes/n1", json.dumps(good_node() | {"state": ["running"]}).encode(), "nodes/n1 state: ['running']"),
+    ("nodes/n1", json.dumps(good_node() | {"node_id": {"x": 1}}).encode(), "nodes/n1 node_id"),
+    ("nodes/n1", json.dumps(good_node() | {"agent_pid": "123"}).encode(), "nodes/n1 agent_pid: '123'"),
+    ("nodes/n1", json.dumps(good_node() | {"daemon_pid": True}).encode(), "nodes/n1 daemon_pid: True"),
+    ("state", b"completed", "/state: not JSON"),
+    ("state", b'["completed"]', "/state: not a JSON object"),
+    ("state", b'{"state": 3}', "/state state: 3 is a int, expected str"),
+    ("checkpoint/latest", b"[40]", "checkpoint/latest: not a JSON object"),
+    ("checkpoint/latest", b'{"step": "40", "node": "n1"}', "checkpoint/latest: step '40'"),
+    ("checkpoint/latest", b'{"step": -1}', "checkpoint/latest: step -1"),
+    ("checkpoint/latest", b'{"step": 40, "node": 7}', "checkpoint/latest node: 7"),
+    ("events/00000000000000000002-x", b"[]", "events/00000000000000000002-x: journal entry is not a JSON"),
+    ("events/00000000000000000002-x", b'{"kind": ["boom"], "node": "x", "time": 1}',
+     "events/00000000000000000002-x kind"),
+    ("events/00000000000000000002-x", b'{"kind": "k", "node": "x", "time": "noon"}',
+     "events/00000000000000000002-x time: 'noon'"),
+    ("rdzv/state", b"not a pickle", "rdzv/state: the rendezvous state could not be read"),
+    ("rdzv/state", pickle.dumps([1, 2]), "rdzv/state: the rendezvous state could not be read"),
+]
+
+
+@pytest.mark.parametrize(("suffix", "raw", "words"), MALFORMED,
+                         ids=[f"{s}={r[:12]!r}" for s, r, _ in MALFORMED])
+def test_a_malformed_value_is_one_warning_line(client, config, job_id, suffix, raw, words):
+    keys = JobKeys(job_id)
+    client.put(keys.prefix + suffix, raw)
+    client.put(keys.node("n2"), json.dumps(good_node("n2")).encode())   # the rest still shows
+    out = status(config)
+    warnings = [line for line in out.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1, out
+    assert words in warnings[0], out
+    assert "treated as absent" in warnings[0] or "skipped" in warnings[0], out
+    assert keys.prefix + suffix.split(" ")[0] in warnings[0]
+    assert "n2" in out and out.startswith(f"job {job_id}: ")
+    parsed = json.loads(status(config, "--json"))
+    assert len(parsed["warnings"]) == 1 and words in parsed["warnings"][0]
+
+
+def test_many_bad_values_at_once(client, config, job_id):
+    keys = JobKeys(job_id)
+    for suffix, raw, _ in MALFORMED:
+        if suffix.startswith("events/"):
+            suffix = f"{suffix}-{len(raw)}-{abs(hash(raw)) % 1000}"
+        client.put(keys.prefix + suffix, raw)
+    client.put(f"{keys.events}00000000000000000003-y", b'{"kind": "k", "node": "y", "time": 1e300}')
+    out = status(config)
+    assert f"job {job_id}: running" in out and "newest checkpoint: step 40 (by ?)" in out
+    assert "??:??:??" in out     # a valid float beyond any date is shown, not a crash
+    json.loads(status(config, "--json"))
+
+
+def test_a_raising_rendezvous_decoder_is_a_line(client, config, job_id, monkeypatch):
+    """Whatever the (hardened) state decoder raises is reported, not a traceback."""
+    from elasticd.rendezvous import admin
+
+    class Refused(Exception):
+        pass
+
+    def refuse(*_args):
+        raise Refused("refusing to unpickle global os.system")
+
+    monkeypatch.setattr(admin, "current_round", refuse)
+    out = status(config)
+    assert (f"warning: {JobKeys(job_id).rdzv_state}: the rendezvous state could not be read "
+            "(Refused: refusing to unpickle global os.system)") in out
