@@ -4,6 +4,11 @@ The backend is only a compare-and-set register: the state is one etcd key, its
 fencing token is the key's ``mod_revision``, and every write is one etcd
 transaction (compare the revision, or create-if-absent when the token is None).
 The rendezvous rules themselves stay in torch's ``DynamicRendezvousHandler``.
+
+torch ``pickle.loads`` whatever the backend returns. Every value read from etcd is
+therefore first loaded with the restricted unpickler (``state_ops.load_state``): a value
+that is not a plain rendezvous state never reaches torch, and the agent gets torch's
+``RendezvousStateError`` naming the key and the fix instead.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 from elasticd.errors import EtcdError
 from elasticd.etcd_client import EtcdClient
 from elasticd.lease import LeaseKeeper
-from elasticd.rendezvous import BACKEND_NAME
+# state_ops as a module: it imports torch, whose import loads this plugin (a cycle at start).
+from elasticd.rendezvous import BACKEND_NAME, state_ops
 
 Token = Any
 
@@ -38,7 +44,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             kv = self._client.get(self._key)
         except EtcdError as exc:
             raise RendezvousConnectionError(f"etcd3 rendezvous: reading state failed: {exc}") from exc
-        return None if kv is None else (kv.value, kv.mod_revision)
+        return None if kv is None else (self._checked(kv.value), kv.mod_revision)
 
     def set_state(self, state: bytes, token: Token | None = None
                   ) -> tuple[bytes, Token, bool] | None:
@@ -53,8 +59,14 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         except EtcdError as exc:
             raise RendezvousConnectionError(f"etcd3 rendezvous: writing state failed: {exc}") from exc
         if won:
+            # The bytes torch itself just pickled: nothing from etcd to check.
             return state, kv.mod_revision, True
-        return None if kv is None else (kv.value, kv.mod_revision, False)
+        return None if kv is None else (self._checked(kv.value), kv.mod_revision, False)
+
+    def _checked(self, value: bytes) -> bytes:
+        """``value`` unchanged once it loads as a plain rendezvous state (else CorruptStateError)."""
+        state_ops.load_state(value, self._key)
+        return value
 
 
 def _as_revision(token: Token | None) -> int | None:

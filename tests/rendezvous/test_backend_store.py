@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 
 from elasticd.etcd_client import EtcdClient, EtcdSettings
 from elasticd.lease import LeaseKeeper
@@ -35,39 +37,50 @@ def store(client, keys):
 
 # -- backend -------------------------------------------------------------------------------
 
+def st(round_: int) -> bytes:
+    """A real pickled torch state (the backend refuses anything else it reads from etcd)."""
+    state = dyn._RendezvousState()
+    state.round = round_
+    return pickle.dumps(state)
+
+
+def round_of(state: bytes) -> int:
+    return pickle.loads(state).round
+
+
 def test_state_absent_then_created(client, keys):
     backend = EtcdV3RendezvousBackend(client, keys.rdzv_state)
     assert backend.get_state() is None
-    state, token, won = backend.set_state(b"s1")
-    assert (state, won) == (b"s1", True)
-    assert backend.get_state() == (b"s1", token)
+    state, token, won = backend.set_state(st(1))
+    assert (state, won) == (st(1), True)
+    assert backend.get_state() == (st(1), token)
     assert backend.name == "etcd3"
 
 
 def test_create_if_absent_loses_to_existing_state(client, keys):
     backend = EtcdV3RendezvousBackend(client, keys.rdzv_state)
-    _, token, _ = backend.set_state(b"first")
-    assert backend.set_state(b"second", None) == (b"first", token, False)
+    _, token, _ = backend.set_state(st(1))
+    assert backend.set_state(st(2), None) == (st(1), token, False)
 
 
 def test_stale_token_is_fenced_off(client, keys):
     backend = EtcdV3RendezvousBackend(client, keys.rdzv_state)
-    _, old, _ = backend.set_state(b"v1")
-    _, new, won = backend.set_state(b"v2", old)
+    _, old, _ = backend.set_state(st(1))
+    _, new, won = backend.set_state(st(2), old)
     assert won and new > old
-    assert backend.set_state(b"v3-stale", old) == (b"v2", new, False)
+    assert backend.set_state(st(3), old) == (st(2), new, False)
 
 
 def test_foreign_token_reports_current_state(client, keys):
     backend = EtcdV3RendezvousBackend(client, keys.rdzv_state)
-    _, token, _ = backend.set_state(b"v1")
-    assert backend.set_state(b"x", "not-a-revision") == (b"v1", token, False)
+    _, token, _ = backend.set_state(st(1))
+    assert backend.set_state(st(9), "not-a-revision") == (st(1), token, False)
 
 
 def test_cas_race_between_threads_loses_no_update(client, keys):
     """Each thread increments a counter held in the state by read-modify-CAS."""
     backend = EtcdV3RendezvousBackend(client, keys.rdzv_state)
-    backend.set_state(b"0")
+    backend.set_state(st(0))
     threads, per_thread = 6, 15
     conflicts = []
 
@@ -75,7 +88,7 @@ def test_cas_race_between_threads_loses_no_update(client, keys):
         done = 0
         while done < per_thread:
             state, token = backend.get_state()
-            _, _, won = backend.set_state(str(int(state) + 1).encode(), token)
+            _, _, won = backend.set_state(st(round_of(state) + 1), token)
             done += won
             conflicts.append(not won)
 
@@ -84,14 +97,14 @@ def test_cas_race_between_threads_loses_no_update(client, keys):
         t.start()
     for t in pool:
         t.join()
-    assert backend.get_state()[0] == str(threads * per_thread).encode()
+    assert round_of(backend.get_state()[0]) == threads * per_thread
     assert any(conflicts), "the race never happened; the test proved nothing"
 
 
 def test_state_lives_on_the_run_lease(client, keys):
     lease = LeaseKeeper(client, 60).start()
     backend = EtcdV3RendezvousBackend(client, keys.rdzv_state, lease)
-    backend.set_state(b"s")
+    backend.set_state(st(1))
     assert client.get(keys.rdzv_state).lease_id == lease.id
     lease.stop(revoke=True)
     assert backend.get_state() is None, "a dead run's state must not stay in etcd"
