@@ -8,23 +8,35 @@
     retry_timeout=30            seconds an etcd outage is retried before an error
     protocol=http|https         https needs ca_cert
     ca_cert=, ssl_cert=, ssl_cert_key=    TLS files (PEM)
-    user=, password=            etcd auth; or ELASTICD_ETCD_USER / ELASTICD_ETCD_PASSWORD
+    user=, password=            etcd auth; else one JSON line on stdin when
+                                ELASTICD_ETCD_AUTH_STDIN=1 (the daemon's way), else
+                                ELASTICD_ETCD_USER / ELASTICD_ETCD_PASSWORD
     join_timeout, last_call_timeout, close_timeout, heartbeat_timeout,
     keep_alive_interval, keep_alive_max_attempt    torch's dynamic rendezvous knobs
 
 ``--rdzv-endpoint`` takes one or more ``HOST:PORT`` separated by commas.
+
+Credentials never reach the workers: torchrun starts them with a copy of the agent's
+environment and its stdin, so the handler (built before any worker starts) removes the
+credential variables from ``os.environ`` and, in stdin mode, replaces fd 0 with /dev/null
+after reading the one line.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import select
+import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
+    RendezvousError,
     RendezvousParameters,
 )
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
@@ -35,6 +47,7 @@ from elasticd.lease import LeaseKeeper
 from elasticd.rendezvous.backend import EtcdV3RendezvousBackend
 from elasticd.rendezvous.keys import DEFAULT_ROOT, JobKeys
 from elasticd.rendezvous.store import EtcdV3Store
+from elasticd.rendezvous.torch_compat import check_torch_apis
 
 log = structlog.get_logger(__name__)
 
@@ -46,6 +59,15 @@ _OWN_KEYS = ("key_prefix", "ttl", "read_timeout", "retry_timeout", "protocol", "
 # Keys torchrun itself puts into the config; not ours to judge.
 _TORCHRUN_KEYS = ("timeout", "rank", "is_host", "local_addr")
 KNOWN_KEYS = frozenset(_OWN_KEYS + _TIMEOUT_KEYS + _KEEP_ALIVE_KEYS + _TORCHRUN_KEYS)
+
+AUTH_STDIN_ENV = "ELASTICD_ETCD_AUTH_STDIN"
+USER_ENV = "ELASTICD_ETCD_USER"
+PASSWORD_ENV = "ELASTICD_ETCD_PASSWORD"
+# How long the agent waits for the daemon's credentials line before giving up.
+STDIN_TIMEOUT_S = 10.0
+_STDIN_MAX_BYTES = 64 * 1024
+# fd 0 can be read once per process: a second handler in the same agent reuses the line.
+_stdin_credentials: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -68,18 +90,95 @@ def parse_params(params: RendezvousParameters) -> PluginConfig:
     ca_cert = params.get("ca_cert")
     if protocol == "https" and not ca_cert:
         raise ConfigError("rdzv-conf protocol=https needs ca_cert=PATH (the CA of the etcd servers)")
+    env_user, env_password = take_credentials()
     settings = EtcdSettings(
         endpoints=endpoints,
         ca_cert=ca_cert,
         cert=params.get("ssl_cert"),
         key=params.get("ssl_cert_key"),
-        user=params.get("user") or os.environ.get("ELASTICD_ETCD_USER"),
-        password=params.get("password") or os.environ.get("ELASTICD_ETCD_PASSWORD"),
+        user=params.get("user") or env_user,
+        password=params.get("password") or env_password,
         timeout_s=_positive_int(params, "read_timeout", 5),
         retry_s=_positive_int(params, "retry_timeout", 30),
     )
     keys = JobKeys(params.run_id, params.get("key_prefix") or DEFAULT_ROOT)
     return PluginConfig(settings, keys, _positive_int(params, "ttl", 7200))
+
+
+def take_credentials() -> tuple[str | None, str | None]:
+    """The etcd user and password given to this process, removed from where workers see them.
+
+    With ``ELASTICD_ETCD_AUTH_STDIN=1`` they are the one JSON line on fd 0
+    (``{"user": ..., "password": ...}``); otherwise ``ELASTICD_ETCD_USER`` /
+    ``ELASTICD_ETCD_PASSWORD``. Either way the three variables leave ``os.environ``,
+    and fd 0 becomes /dev/null, because torchrun's workers inherit both.
+    """
+    global _stdin_credentials
+    stdin_mode = os.environ.get(AUTH_STDIN_ENV, "") not in ("", "0")
+    user, password = os.environ.get(USER_ENV), os.environ.get(PASSWORD_ENV)
+    for name in (AUTH_STDIN_ENV, USER_ENV, PASSWORD_ENV):
+        os.environ.pop(name, None)
+    if stdin_mode and _stdin_credentials is None:
+        _stdin_credentials = _read_stdin_credentials()
+    if _stdin_credentials is not None:
+        return _stdin_credentials
+    return user, password
+
+
+def _read_stdin_credentials() -> tuple[str, str]:
+    try:
+        line = _read_line(0, STDIN_TIMEOUT_S)
+    finally:
+        # Whatever was read, the workers must not get the pipe (or what is left in it).
+        _stdin_to_devnull()
+    fix = (f'the daemon must write one line {{"user": "...", "password": "..."}} to the '
+           f"agent's stdin when it sets {AUTH_STDIN_ENV}=1")
+    try:
+        data = json.loads(line)
+    except ValueError:
+        # Not echoed: the line may well hold the password.
+        raise ConfigError(f"{AUTH_STDIN_ENV}=1 but the stdin line is not JSON; {fix}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{AUTH_STDIN_ENV}=1 but the stdin line is not a JSON object; {fix}")
+    bad = [f for f in ("user", "password") if not isinstance(data.get(f), str) or not data[f]]
+    if bad:
+        raise ConfigError(f"{AUTH_STDIN_ENV}=1 but the stdin line lacks {' and '.join(bad)} "
+                          f"(non-empty strings); {fix}")
+    return data["user"], data["password"]
+
+
+def _read_line(fd: int, timeout_s: float) -> bytes:
+    """One line from ``fd`` (without reading past it), within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    data = b""
+    try:
+        while not data.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                raise ConfigError(f"{AUTH_STDIN_ENV}=1 but no credentials line arrived on stdin "
+                                  f"within {timeout_s:.0f} s; the daemon must write it at start")
+            chunk = os.read(fd, 1)
+            if not chunk:
+                break   # EOF: a last line without a newline still counts
+            data += chunk
+            if len(data) > _STDIN_MAX_BYTES:
+                raise ConfigError(f"{AUTH_STDIN_ENV}=1 but the stdin line is over "
+                                  f"{_STDIN_MAX_BYTES} bytes; write one short JSON line")
+    except OSError as exc:
+        raise ConfigError(f"{AUTH_STDIN_ENV}=1 but stdin cannot be read ({exc}); start the "
+                          "agent with a pipe on stdin") from None
+    if not data.strip():
+        raise ConfigError(f"{AUTH_STDIN_ENV}=1 but stdin was empty; the daemon must write "
+                          'one line {"user": "...", "password": "..."}')
+    return data
+
+
+def _stdin_to_devnull() -> None:
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    try:
+        os.dup2(devnull, 0)
+    finally:
+        os.close(devnull)
 
 
 def _positive_int(params: RendezvousParameters, key: str, default: int) -> int:
@@ -140,9 +239,36 @@ class EtcdV3RendezvousHandler(dyn.DynamicRendezvousHandler):
         with no_retry():
             super()._keep_alive()
 
+    def shutdown(self) -> bool:
+        """Close the rendezvous only when this agent's workers succeeded.
+
+        torch's ``launch_agent`` calls ``shutdown()`` in a ``finally`` on every exit but
+        a signal: after success, but also after ``--max-restarts`` were used up
+        (``ChildFailedError``) or a join timed out (``RendezvousTimeoutError``). torch
+        then marks the shared state closed and every other agent fails with
+        ``RendezvousClosedError`` from then on. Only the success path reaches that
+        ``finally`` with no exception in flight, so that is the one that closes; any
+        other shutdown just leaves the rendezvous (stops heartbeats, drops this node
+        from the round) and the job goes on without it.
+        """
+        if sys.exc_info()[1] is None:
+            return super().shutdown()
+        self._stop_heartbeats()
+        log.warning("agent is giving up; leaving the rendezvous open for the others",
+                    node=repr(self._this_node), reason=repr(sys.exc_info()[1])[:200])
+        try:
+            with no_retry():
+                self._op_executor.run(dyn._RendezvousExitOp(),
+                                      self._get_deadline(self._settings.timeout.close))
+        except (RendezvousError, EtcdError) as exc:
+            # Not fatal: the others evict this node by keep-alive (or the daemon does).
+            log.warning("could not leave the rendezvous", reason=str(exc))
+        return True
+
 
 def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:
     """The ``torchrun.handlers`` factory: a dynamic rendezvous handler on etcd v3."""
+    check_torch_apis()
     config = parse_params(params)
     _use_fresh_bootstrap_store()
     _make_rendezvous_log_visible()
