@@ -21,6 +21,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 from elasticd.errors import EtcdError
 from elasticd.etcd_client import EtcdClient
 from elasticd.lease import LeaseKeeper
+
 # state_ops as a module: it imports torch, whose import loads this plugin (a cycle at start).
 from elasticd.rendezvous import BACKEND_NAME, state_ops
 
