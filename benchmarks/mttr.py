@@ -75,11 +75,18 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from elasticd import proctree  # noqa: E402
-from elasticd.embedded_etcd import EmbeddedEtcd, etcd_version, find_etcd_binary, free_port  # noqa: E402
-from tests.daemon_nodes import write_config  # noqa: E402
+from elasticd.embedded_etcd import etcd_version, find_etcd_binary, free_port  # noqa: E402
+from elasticd.local_cluster import (  # noqa: E402
+    MLP,
+    TRAIN_ARGS,
+    Cluster,
+    Node,
+    kill_descendants,
+    local_cluster,
+    record_time,
+    signal_all,
+)
 
-MLP = str(REPO / "trainer" / "examples" / "mlp.py")
-TRAIN_ARGS = ["--max-steps", "1000000", "--step-sleep", "0.05", "--log-every", "100"]
 CHECKPOINT_EVERY = 20
 LEASE_TTL_S = 5
 MIN_NODES, MAX_NODES = 2, 3
@@ -111,160 +118,39 @@ LAST: dict[str, Callable[[str, dict], bool]] = {
 }
 
 
-# -- nodes and clusters ------------------------------------------------------------------
+# -- clusters (elasticd.local_cluster builds, runs and cleans up the nodes) ---------------
 
 @dataclass
-class Node:
-    """One simulated machine: a root process (torchrun agent or elasticd daemon) and its tree."""
+class Bench:
+    """One system's three nodes for one run, in the cluster that owns their processes."""
 
-    name: str
-    run_dir: Path
-    command: list[str]
-    env: dict[str, str]
-    log_path: Path
-    extra_logs: tuple[Path, ...] = ()
-    proc: subprocess.Popen | None = field(default=None, repr=False)
-
-    @property
-    def progress_path(self) -> Path:
-        return self.run_dir / "progress.json"
-
-    def start(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.command, env=self.env, stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-    def progress(self) -> dict | None:
-        try:
-            return json.loads(self.progress_path.read_text())
-        except (OSError, ValueError):
-            return None
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def tree(self) -> list[psutil.Process]:
-        """Root and every live descendant, captured before anything is signalled."""
-        with contextlib.suppress(psutil.NoSuchProcess):
-            return [psutil.Process(self.proc.pid), *proctree.descendants(self.proc.pid)]
-        return []
-
-    def workers(self) -> list[psutil.Process]:
-        return [p for p in proctree.descendants(self.proc.pid) if _is_worker(p)]
-
-    def logs(self) -> list[Path]:
-        return [self.log_path, *self.extra_logs]
-
-
-def _is_worker(proc: psutil.Process) -> bool:
-    try:
-        cmd = proc.cmdline()
-    except psutil.Error:
-        return False
-    return MLP in cmd and "torch.distributed.run" not in cmd
-
-
-@dataclass
-class Cluster:
     system: str
-    root: Path
+    cluster: Cluster
     nodes: list[Node]
     store_host: Node | None = None     # c10d: the agent that hosts the rendezvous store
-    etcd: EmbeddedEtcd | None = None
-
-    def start(self) -> None:
-        for node in self.nodes:
-            node.start()
-
-    def stop(self) -> list[str]:
-        """Kill everything this run started; what survived (should be nothing)."""
-        left = kill_everything()
-        for node in self.nodes:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                node.proc.wait(timeout=5)
-        if self.etcd is not None:
-            self.etcd.stop()
-        proctree.reap_children()
-        return left
 
 
-def base_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICD_", "TORCH_DISABLE_SHARE"))}
-    return env | {"PYTHONUNBUFFERED": "1"}
-
-
-def torchrun_node(root: Path, index: int, port: int, job: str, tuned: bool) -> Node:
-    name = f"n{index}"
-    run_dir = root / name
-    conf = f"is_host={int(index == 0)}" + (f",{TUNED_CONF}" if tuned else "")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}", f"--rdzv-conf={conf}",
-           f"--nnodes={MIN_NODES}:{MAX_NODES}", "--nproc-per-node=1", "--max-restarts=100",
-           "--local-addr=127.0.0.1", *(["--monitor-interval=0.1"] if tuned else []), MLP, *TRAIN_ARGS]
-    env = base_env() | {
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-        "ELASTICD_PROGRESS_FILE": str(run_dir / "progress.json"),
-        "ELASTICD_CHECKPOINT_DIR": str(root / "ckpt"),
-        "ELASTICD_CHECKPOINT_EVERY_STEPS": str(CHECKPOINT_EVERY),
-    }
-    return Node(name, run_dir, cmd, env, root / f"{name}.log")
-
-
-def elasticd_node(root: Path, index: int, endpoint: str, job: str) -> Node:
-    name = f"n{index}"
-    run_dir = root / name
-    config = write_config(root / f"{name}.toml", job=job, node=name, endpoint=endpoint,
-                          run_dir=run_dir, ckpt_dir=root / "ckpt", min_nodes=MIN_NODES,
-                          max_nodes=MAX_NODES, entrypoint=[MLP, *TRAIN_ARGS], lease_ttl_s=LEASE_TTL_S)
-    cmd = [sys.executable, "-m", "elasticd", "run", "--config", str(config)]
-    return Node(name, run_dir, cmd, base_env(), root / f"{name}.daemon.log",
-                extra_logs=(run_dir / "agent.log",))
-
-
-def make_cluster(system: str, root: Path) -> Cluster:
+def make_bench(system: str, cluster: Cluster) -> Bench:
+    """Start the three nodes of ``system``; torchrun agents get elasticd's two agent fixes."""
     job = f"mttr-{system}-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
     if system == "c":
-        etcd = EmbeddedEtcd(data_dir=str(root / "etcd")).start()
-        nodes = [elasticd_node(root, i, etcd.endpoint, job) for i in range(MAX_NODES)]
-        return Cluster(system, root, nodes, etcd=etcd)
+        nodes: list[Node] = [
+            cluster.daemon(f"n{i}", job, min_nodes=MIN_NODES, max_nodes=MAX_NODES,
+                           entrypoint=[MLP, *TRAIN_ARGS], lease_ttl_s=LEASE_TTL_S,
+                           every_steps=CHECKPOINT_EVERY) for i in range(MAX_NODES)]
+        return Bench(system, cluster, nodes)
+    tuned = system == "b"
     port = free_port()
-    nodes = [torchrun_node(root, i, port, job, tuned=system == "b") for i in range(MAX_NODES)]
-    return Cluster(system, root, nodes, store_host=nodes[0])
+    nodes = [cluster.torchrun(
+        f"n{i}", job, endpoint=f"127.0.0.1:{port}", backend="c10d", is_host=i == 0,
+        rdzv_conf=TUNED_CONF if tuned else "", nnodes=f"{MIN_NODES}:{MAX_NODES}", max_restarts=100,
+        monitor_interval_s=0.1 if tuned else None, script_path=MLP, script_args=TRAIN_ARGS,
+        every_steps=CHECKPOINT_EVERY, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+        for i in range(MAX_NODES)]
+    return Bench(system, cluster, nodes, store_host=nodes[0])
 
 
 # -- processes ---------------------------------------------------------------------------
-
-def signal_all(procs: list[psutil.Process], sig: int) -> None:
-    """Send ``sig`` to every process in one sweep, without waiting."""
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            proc.send_signal(sig)
-
-
-def _describe(proc: psutil.Process) -> str:
-    try:
-        return f"{proc.pid}:{' '.join(proc.cmdline())[:120]}"
-    except psutil.Error:
-        return str(proc.pid)
-
-
-def kill_everything(timeout_s: float = 15.0) -> list[str]:
-    """SIGCONT then SIGKILL every descendant of this process (we are the subreaper); reap.
-
-    Returns the processes still alive after ``timeout_s`` (should be none)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        procs = proctree.descendants()
-        if not procs:
-            return []
-        if time.monotonic() > deadline:
-            return [_describe(p) for p in procs]
-        signal_all(procs, signal.SIGCONT)
-        signal_all(procs, signal.SIGKILL)
-        time.sleep(0.1)
-        proctree.reap_children()
-
 
 def create_time_offset() -> float:
     """psutil's create_time minus time.time() at spawn (boot time is whole seconds)."""
@@ -283,18 +169,18 @@ def loadavg() -> list[float]:
 
 # -- one run -----------------------------------------------------------------------------
 
-def world_step(cluster: Cluster) -> int | None:
+def world_step(bench: Bench) -> int | None:
     """The step all 3 nodes have reached in a world of 3, or None if they are not all in it."""
-    recs = [n.progress() for n in cluster.nodes]
+    recs = [n.progress() for n in bench.nodes]
     if all(r and r.get("world_size") == MAX_NODES and r.get("event") in STEP_EVENTS for r in recs):
         return min(r["step"] for r in recs)
     return None
 
 
-def wait_step(cluster: Cluster, target: int, deadline: float) -> int | None:
+def wait_step(bench: Bench, target: int, deadline: float) -> int | None:
     """Wait (until the monotonic ``deadline``) for the world of 3 to reach ``target``."""
     while time.monotonic() < deadline:
-        step = world_step(cluster)
+        step = world_step(bench)
         if step is not None and step >= target:
             return step
         time.sleep(POLL_S)
@@ -307,12 +193,12 @@ def fault_step(formed_at: int, phase: int) -> int:
     return start + (phase - start) % CHECKPOINT_EVERY
 
 
-def choose_victim(cluster: Cluster, fault: str) -> Node:
+def choose_victim(bench: Bench, fault: str) -> Node:
     """rank0-crash: the rank-0 node (c10d: the store host); otherwise a node that is neither."""
-    ranks = {n.name: (n.progress() or {}).get("rank") for n in cluster.nodes}
+    ranks = {n.name: (n.progress() or {}).get("rank") for n in bench.nodes}
     if fault == "rank0-crash":
-        return cluster.store_host or next(n for n in cluster.nodes if ranks[n.name] == 0)
-    others = [n for n in cluster.nodes if ranks[n.name] != 0 and n is not cluster.store_host]
+        return bench.store_host or next(n for n in bench.nodes if ranks[n.name] == 0)
+    others = [n for n in bench.nodes if ranks[n.name] != 0 and n is not bench.store_host]
     return others[-1]
 
 
@@ -343,13 +229,13 @@ class Watch:
     lost_after_s: float | None = None
 
 
-def watch_recovery(cluster: Cluster, victim: Node, t_fault: float, old_step: int,
+def watch_recovery(bench: Bench, victim: Node, t_fault: float, old_step: int,
                    old_workers: list[psutil.Process], cap_s: float) -> Watch:
     w = Watch(t_fault, old_step)
-    survivors = [n for n in cluster.nodes if n is not victim]
+    survivors = [n for n in bench.nodes if n is not victim]
     deadline = time.monotonic() + cap_s
     while time.monotonic() < deadline:
-        _observe(w, cluster.nodes, survivors, victim, old_workers)
+        _observe(w, bench.nodes, survivors, victim, old_workers)
         if w.first is not None:
             w.outcome = "recovered"
             return w
@@ -394,11 +280,11 @@ def run_once(system: str, fault: str, phase: int, caps: dict[str, float], ct_off
     result: dict[str, Any] = {"system": system, "fault": fault, "load_start": loadavg()}
     cluster = None
     try:
-        cluster = make_cluster(system, root)
-        cluster.start()
-        result |= measure(cluster, fault, phase, caps, ct_offset)
+        # The cluster kills every process it started on the way out, however it ends.
+        with local_cluster(root, etcd=system == "c") as cluster:
+            result |= measure(make_bench(system, cluster), fault, phase, caps, ct_offset)
     finally:
-        result["leftover"] = cluster.stop() if cluster else kill_everything()
+        result["leftover"] = cluster.leftover if cluster else kill_descendants()
         result["load_end"] = loadavg()
         if keep:
             result["dir"] = str(root)
@@ -407,25 +293,25 @@ def run_once(system: str, fault: str, phase: int, caps: dict[str, float], ct_off
     return result
 
 
-def measure(cluster: Cluster, fault: str, phase: int, caps: dict[str, float],
+def measure(bench: Bench, fault: str, phase: int, caps: dict[str, float],
             ct_offset: float) -> dict[str, Any]:
     deadline = time.monotonic() + caps["formation"]
-    formed = wait_step(cluster, 0, deadline)
+    formed = wait_step(bench, 0, deadline)
     cpu_before = cpu_snapshot()
-    if formed is None or wait_step(cluster, fault_step(formed, phase), deadline) is None:
+    if formed is None or wait_step(bench, fault_step(formed, phase), deadline) is None:
         return {"outcome": "setup timeout", "note": "no world of 3 in time"}
     cpu = cpu_shares(cpu_before, cpu_snapshot())
-    victim = choose_victim(cluster, fault)
-    survivors = [n for n in cluster.nodes if n is not victim]
+    victim = choose_victim(bench, fault)
+    survivors = [n for n in bench.nodes if n is not victim]
     old_workers = [p for n in survivors for p in n.workers()]
-    pre = max((n.progress() or {}).get("step", 0) for n in cluster.nodes)
+    pre = max((n.progress() or {}).get("step", 0) for n in bench.nodes)
     victim_rank = (victim.progress() or {}).get("rank")
     load = loadavg()
     t_fault = inject(victim, fault)
-    cap = caps["silent" if fault == "silent" and cluster.system != "c" else "default"]
-    w = watch_recovery(cluster, victim, t_fault, pre, old_workers, cap)
-    return summarize_run(cluster, victim, w, ct_offset) | {
-        "victim": victim.name, "victim_rank": victim_rank, "victim_hosts_store": victim is cluster.store_host,
+    cap = caps["silent" if fault == "silent" and bench.system != "c" else "default"]
+    w = watch_recovery(bench, victim, t_fault, pre, old_workers, cap)
+    return summarize_run(bench, victim, w, ct_offset) | {
+        "victim": victim.name, "victim_rank": victim_rank, "victim_hosts_store": victim is bench.store_host,
         "step_before_fault": pre, "load_at_fault": load, "cap_s": cap, "cpu_cores_steady": cpu}
 
 
@@ -466,8 +352,8 @@ def cpu_shares(before: tuple[float, dict], after: tuple[float, dict]) -> dict[st
     return {k: round(v, 3) for k, v in sorted(shares.items())} | {"window_s": round(wall, 2)}
 
 
-def summarize_run(cluster: Cluster, victim: Node, w: Watch, ct_offset: float) -> dict[str, Any]:
-    survivors = [n for n in cluster.nodes if n is not victim]
+def summarize_run(bench: Bench, victim: Node, w: Watch, ct_offset: float) -> dict[str, Any]:
+    survivors = [n for n in bench.nodes if n is not victim]
     t_end = w.first["time"] + 0.01 if w.first else time.time()
     per_node = {n.name: node_milestones(n, w.t_fault, t_end) for n in survivors}
     resumed = resumed_step(survivors, w.t_fault, t_end)
@@ -485,7 +371,7 @@ def summarize_run(cluster: Cluster, victim: Node, w: Watch, ct_offset: float) ->
         out["recovery_s"] = round(w.first["time"] - w.t_fault, 3)
         out["first_step"] = w.first["step"]
         out["steps_lost"] = w.old_step - resumed if resumed is not None else None
-    out["rendezvous_log"] = rendezvous_messages(cluster.nodes, w.t_fault, t_end)
+    out["rendezvous_log"] = rendezvous_messages(bench.nodes, w.t_fault, t_end)
     return out
 
 
@@ -512,44 +398,20 @@ def _safe_workers(node: Node) -> list[psutil.Process]:
 
 # -- logs --------------------------------------------------------------------------------
 
-def json_records(path: Path) -> Iterator[dict]:
-    """Every JSON object line of a log (worker lines may follow a prefix)."""
-    if not path.exists():
-        return
-    for line in path.read_text(errors="replace").splitlines():
-        start = line.find("{")
-        if start < 0:
-            continue
-        with contextlib.suppress(ValueError):
-            rec = json.loads(line[start:])
-            if isinstance(rec, dict) and isinstance(rec.get("event"), str):
-                yield rec
-
-
-def record_time(rec: dict) -> float | None:
-    stamp = rec.get("timestamp")
-    if not isinstance(stamp, str):
-        return None
-    with contextlib.suppress(ValueError):
-        return datetime.fromisoformat(stamp).timestamp()
-    return None
-
-
 def node_milestones(node: Node, t_fault: float, t_end: float) -> dict[str, float]:
     """Seconds after the fault of this node's logged milestones (see FIRST and LAST)."""
     out: dict[str, float] = {}
-    for path in node.logs():
-        for rec in json_records(path):
-            t = record_time(rec)
-            if t is None or not t_fault < t <= t_end:
-                continue
-            event = rec["event"]
-            for key, pred in FIRST.items():
-                if pred(event, rec):
-                    out[key] = min(out.get(key, t), t)
-            for key, pred in LAST.items():
-                if pred(event, rec):
-                    out[key] = max(out.get(key, t), t)
+    for rec in node.log_events():
+        t = record_time(rec)
+        if t is None or not t_fault < t <= t_end:
+            continue
+        event = rec["event"]
+        for key, pred in FIRST.items():
+            if pred(event, rec):
+                out[key] = min(out.get(key, t), t)
+        for key, pred in LAST.items():
+            if pred(event, rec):
+                out[key] = max(out.get(key, t), t)
     for t, msg in rdzv_lines(node):
         if t_fault < t <= t_end and "has joined round" in msg:
             out["joined_first"] = min(out.get("joined_first", t), t)
@@ -582,12 +444,11 @@ def resumed_step(survivors: list[Node], t_fault: float, t_end: float) -> int | N
     """The step the new world resumed from: the survivors' last ``resumed`` line before its first step."""
     best: tuple[float, int] | None = None
     for node in survivors:
-        for path in node.logs():
-            for rec in json_records(path):
-                t = record_time(rec)
-                if rec["event"] == "resumed" and t is not None and t_fault < t <= t_end and (
-                        best is None or t > best[0]):
-                    best = (t, rec.get("step"))
+        for rec in node.log_events():
+            t = record_time(rec)
+            if rec["event"] == "resumed" and t is not None and t_fault < t <= t_end and (
+                    best is None or t > best[0]):
+                best = (t, rec.get("step"))
     return best[1] if best else None
 
 
@@ -870,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
         extra["interrupted"] = True
         print("interrupted; cleaning up", file=sys.stderr)
     finally:
-        extra["leftover_at_exit"] = kill_everything()
+        extra["leftover_at_exit"] = kill_descendants()
         extra["load_after"] = loadavg()
         write_report(Path(args.out), build_report(args, runs, extra))
     print((Path(args.out) / "mttr.md").read_text())

@@ -18,8 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from elasticd import proctree
-from elasticd.embedded_etcd import EmbeddedEtcd
-from elasticd.local_cluster import CHARLM, LocalNode, stop_all
+from elasticd.local_cluster import CHARLM, Cluster, LocalNode, local_cluster
 
 SAMPLE_EVERY_S = 0.2
 
@@ -71,21 +70,19 @@ class Demo:
     # -- orchestration ------------------------------------------------------------------
 
     def run(self) -> Summary:
+        # Subreaper: workers orphaned by the SIGKILLed node are re-parented here, so the
+        # cluster's cleanup still finds and kills them.
         proctree.become_subreaper()
         try:
-            with EmbeddedEtcd(data_dir=str(self.root / "etcd")) as etcd:
-                self.say(f"etcd {etcd.endpoint} is up; starting 3 nodes (one CPU worker each)")
-                return self._scenario(etcd.endpoint)
+            with local_cluster(self.root) as cluster:
+                self.say(f"etcd {cluster.endpoint} is up; starting 3 nodes (one CPU worker each)")
+                return self._scenario(cluster)
         finally:
-            stop_all(self.nodes)
-            proctree.kill_processes(proctree.descendants())
-            proctree.reap_children()
             shutil.rmtree(self.root, ignore_errors=True)
 
-    def _scenario(self, endpoint: str) -> Summary:
+    def _scenario(self, cluster: Cluster) -> Summary:
         entry = [CHARLM, "--max-steps", str(self.steps), "--log-every", "50"]
-        self.nodes = [LocalNode(n, endpoint, "demo", self.root,
-                                {"entrypoint": entry, "every_steps": 25}).start()
+        self.nodes = [cluster.daemon(n, "demo", entrypoint=entry, every_steps=25)
                       for n in ("node-a", "node-b", "node-c")]
         self._wait("the world of 3 to train", lambda: self._world() == 3, 180)
         self._wait(f"step {self.crash_at}", lambda: self._step() >= self.crash_at, 600)

@@ -42,8 +42,15 @@ def test_demo_ctrl_c_cleans_up(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, TMPDIR=str(scratch), PYTHONUNBUFFERED="1"))
     assert "starting 3 nodes" in demo.stdout.readline() + demo.stdout.readline()
-    time.sleep(8)                                    # daemons, agents and workers are up
-    assert len(proctree.descendants(demo.pid)) >= 6
+    # etcd, 3 daemons and their agents at least: a loaded machine takes longer than a fixed
+    # sleep to import torch in every daemon, so wait for the tree (and a bit for workers).
+    try:
+        assert proctree.wait_for(lambda: len(proctree.descendants(demo.pid)) >= 7, 120, 0.5), \
+            proctree.descendants(demo.pid)
+    except AssertionError:
+        proctree.kill_tree(demo.pid)
+        raise
+    time.sleep(2)
     demo.send_signal(signal.SIGINT)
     out, _ = demo.communicate(timeout=120)
     assert demo.returncode != 0 and "interrupted; every process and temp file was removed" in out, out
