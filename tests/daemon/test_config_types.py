@@ -7,15 +7,8 @@ import pytest
 
 from elasticd.config import config_from_dict, load_config
 from elasticd.errors import ConfigError
-
-BASE = {"job": {"id": "demo", "entrypoint": ["train.py"], "min_nodes": 1, "max_nodes": 3}}
-
-
-def build(**sections):
-    raw = {k: dict(v) for k, v in BASE.items()}
-    for name, values in sections.items():
-        raw.setdefault(name, {}).update(values)
-    return config_from_dict(raw)
+from tests.daemon.test_config import BASE
+from tests.daemon.test_config import cfg as build
 
 
 @pytest.mark.parametrize(("section", "key", "value", "words"), [
