@@ -78,6 +78,12 @@ def parse_owner(name: str) -> Owner | None:
     return Owner(int(match.group(1)), match.group(2)) if match else None
 
 
-def is_safe_file_name(name: str) -> bool:
+# Names a manifest may list: what data_name() writes and more, but nothing that could leave
+# the step directory or break an OS call (separators, NUL, "..", a leading dot, control
+# characters) and no longer than a file name may be.
+_SAFE_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
+
+
+def is_safe_file_name(name: object) -> bool:
     """True for a plain file name that stays inside its directory and is not a temp name."""
-    return bool(name) and "/" not in name and name not in {".", ".."} and not is_temp(name)
+    return isinstance(name, str) and _SAFE_NAME_RE.fullmatch(name) is not None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,10 @@ from .errors import CheckpointConfigError, CorruptCheckpointError
 FORMAT = "elasticd-checkpoint"
 FORMAT_VERSION = 1
 _CHECKSUM_KEY = "manifest_sha256"
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")  # hexdigest() is lower-case
+# A manifest is a few hundred bytes plus user metadata; a bigger file is not one (and is
+# never read whole into memory).
+MAX_MANIFEST_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -63,9 +68,13 @@ class Manifest:
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
         """Parse and validate; raises CorruptCheckpointError naming `where` and the reason."""
+        # Every value is checked before use: a manifest is input, and a forged one must make
+        # its checkpoint skipped (CorruptCheckpointError), never crash a caller with another
+        # exception. ValueError covers json's own errors and ints beyond Python's digit limit;
+        # RecursionError a deeply nested document.
         try:
-            body = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            body = json.loads(data, parse_constant=_reject_constant, parse_float=_finite_float)
+        except (ValueError, RecursionError) as exc:
             raise CorruptCheckpointError(where, f"manifest is not valid JSON ({exc})") from exc
         if not isinstance(body, dict):
             raise CorruptCheckpointError(where, "manifest is not a JSON object")
@@ -76,7 +85,7 @@ class Manifest:
             world_size=_field(body, "world_size", int, where),
             files=_parse_files(_field(body, "files", dict, where), where),
             metadata=_field(body, "metadata", dict, where),
-            format_version=body["format_version"],
+            format_version=FORMAT_VERSION,
         )
 
 
@@ -97,6 +106,18 @@ def validate_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         ) from exc
 
 
+def _reject_constant(name: str) -> Any:
+    # json accepts NaN and Infinity, which the writer never emits (allow_nan=False).
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)  # 1e999 parses to inf, which the checksum's dumps would refuse
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
 def _body_digest(body: Mapping[str, Any]) -> str:
     canonical = json.dumps(
         {k: v for k, v in body.items() if k != _CHECKSUM_KEY},
@@ -108,13 +129,18 @@ def _body_digest(body: Mapping[str, Any]) -> str:
 def _check_envelope(body: dict[str, Any], where: str) -> None:
     if body.get("format") != FORMAT:
         raise CorruptCheckpointError(where, f"not an {FORMAT} manifest")
-    if body.get("format_version") != FORMAT_VERSION:
+    version = body.get("format_version")
+    if isinstance(version, bool) or version != FORMAT_VERSION:  # True == 1 in Python
         raise CorruptCheckpointError(
             where,
             f"format_version {body.get('format_version')!r} is not supported "
             f"(this reader knows {FORMAT_VERSION})",
         )
-    if body.get(_CHECKSUM_KEY) != _body_digest(body):
+    try:
+        digest = _body_digest(body)
+    except (ValueError, TypeError, RecursionError) as exc:  # cannot happen after parsing; be sure
+        raise CorruptCheckpointError(where, f"manifest cannot be canonicalised ({exc})") from exc
+    if body.get(_CHECKSUM_KEY) != digest:
         raise CorruptCheckpointError(where, "manifest checksum mismatch (damaged manifest)")
 
 
@@ -133,12 +159,14 @@ def _parse_files(raw: dict[str, Any], where: str) -> dict[str, FileEntry]:
     files = {}
     for name, entry in raw.items():
         if not layout.is_safe_file_name(name) or name == layout.MANIFEST_NAME:
-            raise CorruptCheckpointError(where, f"manifest lists an invalid file name {name!r}")
+            raise CorruptCheckpointError(
+                where, f"manifest lists an invalid file name {name!r} (only plain names of "
+                "letters, digits, '.', '_' and '-' are written)")
         if not isinstance(entry, dict):
             raise CorruptCheckpointError(where, f"manifest entry for {name!r} is malformed")
         size = _field(entry, "bytes", int, where)
         digest = entry.get("sha256")
-        if not (isinstance(digest, str) and len(digest) == 64):
+        if not (isinstance(digest, str) and _SHA256_RE.fullmatch(digest)):
             raise CorruptCheckpointError(where, f"manifest sha256 for {name!r} is malformed")
         files[name] = FileEntry(size, digest)
     return files

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +10,7 @@ import torch
 
 from . import layout
 from .errors import CorruptCheckpointError, StorageError, StorageNotFoundError
-from .manifest import Manifest
+from .manifest import MAX_MANIFEST_BYTES, Manifest
 from .storage import Storage
 
 _CHUNK = 16 << 20
@@ -47,11 +46,14 @@ def read_manifest(storage: Storage, directory: str, step: int) -> Manifest:
     where = storage.describe(path)
     try:
         with storage.open_read(path) as f:
-            manifest = Manifest.from_json(f.read(), where)
+            data = f.read(MAX_MANIFEST_BYTES + 1)
     except StorageNotFoundError as exc:
         raise CorruptCheckpointError(where, "no manifest: the save never committed") from exc
     except StorageError as exc:
         raise CorruptCheckpointError(where, f"manifest unreadable: {exc}") from exc
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(where, f"manifest larger than {MAX_MANIFEST_BYTES} bytes")
+    manifest = Manifest.from_json(data, where)
     if manifest.step != step:
         raise CorruptCheckpointError(
             where, f"manifest says step {manifest.step} in the directory of step {step}"
@@ -112,9 +114,12 @@ def load_state(storage: Storage, directory: str, manifest: Manifest, map_locatio
             return torch.load(local, map_location=map_location, weights_only=True, mmap=True)
         with storage.open_read(path) as f:
             return torch.load(f, map_location=map_location, weights_only=True)
-    except (StorageError, OSError, pickle.UnpicklingError, RuntimeError, EOFError,
-            ValueError) as exc:
-        raise CorruptCheckpointError(where, f"torch.load failed: {exc}") from exc
+    except Exception as exc:
+        # The bytes verified against the manifest, so this is a forged or foreign file (its
+        # sha256 was recomputed): whatever torch raises for it (UnpicklingError, RuntimeError,
+        # KeyError, zipfile errors, ...) makes the checkpoint damaged, not the caller crash.
+        raise CorruptCheckpointError(
+            where, f"torch.load failed: {type(exc).__name__}: {exc}") from exc
 
 
 def load_verified(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno as errno_mod
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO, Protocol, runtime_checkable
@@ -30,6 +31,11 @@ _FULL = {errno_mod.ENOSPC, errno_mod.EDQUOT}
 _DENIED = {errno_mod.EACCES, errno_mod.EPERM, errno_mod.EROFS, errno_mod.ENOTDIR}
 # Some filesystems cannot fsync a directory; their rename is then as durable as it gets.
 _DIR_FSYNC_UNSUPPORTED = {errno_mod.EINVAL, errno_mod.ENOTSUP, errno_mod.EBADF}
+
+
+def _not_regular(where: str, mode: int) -> StorageError:
+    return StorageError(f"{where} is not a regular file ({stat.filemode(mode)}); checkpoints "
+                        "only consist of regular files, so this one is refused", path=where)
 
 
 def translate_os_error(exc: OSError, action: str, path: str) -> StorageError:
@@ -90,6 +96,8 @@ class Storage(Protocol):
       `remove_dir` removes an empty directory only.
     - `make_dir` is idempotent and durable (the new name survives a crash).
     - `listdir` of a missing directory is empty.
+    - `open_read`, `size` and `mtime` refuse anything but a regular file (a FIFO, a device,
+      a symlink) with a StorageError, at once: a forged checkpoint must never hang a reader.
     - Every failure is a StorageError subclass: StorageFullError for no space,
       StoragePermissionError for refused writes, StorageNotFoundError for missing objects.
     - Single writer: one process writes a given root at a time. Readers may run at any time.
@@ -268,16 +276,38 @@ class LocalStorage:
         return _LocalAtomicWrite(self._p(path), self.describe(path))
 
     def open_read(self, path: str) -> BinaryIO:
-        with _translated("open", self.describe(path)):
-            return open(self._p(path), "rb")  # noqa: SIM115 - the caller closes it
+        # Only regular files are read. A FIFO would block open() and read() forever, a
+        # device could be endless, a symlink could point anywhere: O_NONBLOCK makes open()
+        # return at once whatever the file is, O_NOFOLLOW refuses a symlink (ELOOP), and
+        # the fstat of the opened descriptor (no race with a rename) decides.
+        where = self.describe(path)
+        with _translated("open", where):
+            fd = os.open(self._p(path), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            with _translated("open", where):
+                mode = os.fstat(fd).st_mode
+                if not stat.S_ISREG(mode):
+                    raise _not_regular(where, mode)
+                os.set_blocking(fd, True)  # a regular file ignores it; keep reads plain
+                return os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
 
     def size(self, path: str) -> int:
-        with _translated("stat", self.describe(path)):
-            return self._p(path).stat().st_size
+        return self._lstat_regular(path).st_size
 
     def mtime(self, path: str) -> float:
-        with _translated("stat", self.describe(path)):
-            return self._p(path).stat().st_mtime
+        return self._lstat_regular(path).st_mtime
+
+    def _lstat_regular(self, path: str) -> os.stat_result:
+        # lstat: the entry itself, never what a symlink points at (see open_read).
+        where = self.describe(path)
+        with _translated("stat", where):
+            st = os.lstat(self._p(path))
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(where, st.st_mode)
+        return st
 
     def remove(self, path: str) -> None:
         with _translated("remove", self.describe(path)):
