@@ -7,12 +7,14 @@ never stop training.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import structlog
+
+# One liveness test for the project: a zombie writer is dead, its temps are leftovers.
+from elasticd.proctree import pid_alive
 
 from . import _hooks, layout
 from .errors import CorruptCheckpointError, StorageError
@@ -28,16 +30,6 @@ def plan_retention(
     """Committed steps to delete: all but the newest `keep_last` and those in `protect`."""
     kept = set(sorted(committed, reverse=True)[:keep_last]) | set(protect)
     return sorted(step for step in committed if step not in kept)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass(frozen=True)

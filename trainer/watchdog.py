@@ -28,25 +28,13 @@ from collections.abc import Callable
 
 import structlog
 
+# The project's one liveness test (a zombie daemon is dead); re-exported here.
+from elasticd.proctree import pid_alive
 from trainer.exitcodes import ORPHAN_EXIT_CODE
 
+__all__ = ["OrphanWatchdog", "pid_alive"]
+
 log = structlog.get_logger(__name__)
-
-
-def pid_alive(pid: int) -> bool:
-    """True when ``pid`` exists and is not a zombie (a dead but unreaped daemon)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            # The state follows the parenthesised command name, which may hold spaces.
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
 
 
 class OrphanWatchdog:

@@ -172,3 +172,28 @@ def test_concurrent_saves_retention_and_a_reader(tmp_path):
     assert reader.exitcode == 0
     assert len(seen) > 5 and seen == sorted(seen)
     assert manager.steps() == [58, 59]
+
+
+def test_a_zombie_writers_temp_is_a_leftover_a_live_writers_is_not():
+    """The real pid_alive (elasticd.proctree): a zombie writer can write no more."""
+    import sys
+
+    import psutil
+
+    from elasticd import proctree
+
+    me = Owner.current()
+    policy = StalePolicy(max_age=3600, me=me)
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        # Exited, not yet reaped (nothing waits for it before the finally): a zombie.
+        assert proctree.wait_for(lambda: not proctree.pid_alive(zombie.pid), 10)
+        assert psutil.Process(zombie.pid).status() == psutil.STATUS_ZOMBIE
+        now = time.time()
+        assert policy.is_stale(temp_name(Owner(zombie.pid, me.host)), now, now)
+        assert not policy.is_stale(temp_name(Owner(live.pid, me.host)), now, now)
+    finally:
+        live.kill()
+        live.wait()
+        zombie.wait()

@@ -43,9 +43,30 @@ def test_pid_alive_treats_a_zombie_as_dead():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     assert proctree.wait_for(lambda: psutil.Process(child.pid).status() == "zombie", 10)
     assert not pid_alive(child.pid)
+    assert not pid_alive(psutil.Process(child.pid))
     child.wait()
     assert not pid_alive(child.pid)
     assert pid_alive(psutil.Process().pid)
+
+
+def test_pid_alive_live_dead_and_invalid_pids():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert pid_alive(child.pid) and pid_alive(psutil.Process(child.pid))
+        assert pid_alive(1)  # init: alive even where we may not signal or inspect it
+    finally:
+        child.kill()
+        child.wait()
+    assert not pid_alive(child.pid)  # dead and reaped
+    for invalid in (0, -1, True):
+        assert not pid_alive(invalid)  # kill(0) / kill(-1) would name process groups
+
+
+def test_one_pid_alive_for_daemon_watchdog_and_checkpoint_cleanup():
+    from checkpointing import retention
+
+    assert pid_alive is proctree.pid_alive is retention.pid_alive
+    assert retention.StalePolicy.__dataclass_fields__["alive"].default is proctree.pid_alive
 
 
 # A "torchrun agent" that starts a "worker" in its own session, prints its pid, then sleeps.
