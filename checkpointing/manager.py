@@ -17,6 +17,9 @@ from typing import Any
 import structlog
 import torch
 
+# The one keep_last rule, shared with the daemon config and the worker contract.
+from elasticd.worker_contract import KEEP_LAST_WHY, MIN_KEEP_LAST, is_valid_keep_last
+
 from . import layout
 from .errors import (
     CheckpointConfigError,
@@ -263,10 +266,10 @@ class CheckpointManager:
 
 
 def _check_config(keep_last: int, stale_temp_seconds: float) -> None:
-    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 2:
+    if not is_valid_keep_last(keep_last):
         raise CheckpointConfigError(
-            f"keep_last={keep_last!r}: keep_last must be >= 2 so a crash during a save always "
-            "leaves a valid older checkpoint; set keep_last=2 or more"
+            f"keep_last={keep_last!r}: keep_last must be >= {MIN_KEEP_LAST} {KEEP_LAST_WHY}; "
+            f"set keep_last={MIN_KEEP_LAST} or more"
         )
     if not stale_temp_seconds > 0:
         raise CheckpointConfigError(

@@ -1,27 +1,34 @@
 """The torchrun agent the daemon runs: its command line, environment and process.
 
 The command is plain torchrun with ``--rdzv-backend=etcd3``: anything the
-daemon adds to the workers' environment (``ELASTICD_*``) a plain torchrun user
-could set too. The agent gets a parent-death signal, so a SIGKILLed daemon
-takes its agent along; workers watch their parent (trainer's watchdog), and the
-daemon, as child subreaper, adopts and kills any worker an agent leaves behind.
+daemon adds to the workers' environment (``ELASTICD_*``, defined once in
+``elasticd.worker_contract``) a plain torchrun user could set too. The agent gets
+a parent-death signal, so a SIGKILLed daemon takes its agent along; workers watch
+their parent (trainer's watchdog), and the daemon, as child subreaper, adopts and
+kills any worker an agent leaves behind.
+
+etcd credentials never enter the agent's environment (torchrun's workers inherit
+it, and /proc/<pid>/environ of every worker would show them): the agent gets
+``ELASTICD_ETCD_AUTH_STDIN=1`` and reads one JSON line from its stdin.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import structlog
 
-from elasticd import proctree
+from elasticd import proctree, worker_contract
 from elasticd.config import Config
+from elasticd.worker_contract import ETCD_AUTH_STDIN_VAR, SECRET_VARS, WorkerSettings
 
 log = structlog.get_logger(__name__)
 
@@ -87,6 +94,44 @@ def _rdzv_conf(config: Config) -> str:
     return ",".join(parts)
 
 
+def worker_settings(config: Config, files: RunFiles) -> WorkerSettings:
+    """The worker contract this daemon hands to its workers."""
+    ckpt, lr = config.checkpoint, config.lr
+    return WorkerSettings(
+        job_id=config.job.id,
+        node_id=config.node.id,
+        checkpoint_dir=ckpt.dir,
+        # 0 means "not by this measure" in the config; the contract says it by leaving it unset.
+        checkpoint_every_steps=ckpt.every_steps or None,
+        checkpoint_every_s=ckpt.every_s or None,
+        keep_last=ckpt.keep_last,
+        lr_rule=lr.rule,
+        lr_base_world_size=lr.base_world_size,
+        lr_warmup_steps=lr.warmup_steps,
+        stop_file=str(files.stop),
+        progress_file=str(files.progress),
+        daemon_pid=os.getpid(),
+    )
+
+
+@dataclass(frozen=True)
+class EtcdAuth:
+    """etcd credentials for the agent's rendezvous handler, handed over on its stdin."""
+
+    user: str
+    password: str = dataclasses.field(repr=False)  # never in a log line
+
+    def stdin_line(self) -> bytes:
+        return worker_contract.encode_etcd_auth(self.user, self.password)
+
+
+def etcd_auth(config: Config) -> EtcdAuth | None:
+    """The credentials to pass to ``AgentProcess(etcd_auth=...)``; None without etcd auth."""
+    if not config.etcd.user:
+        return None
+    return EtcdAuth(config.etcd.user, config.etcd.password or "")
+
+
 def worker_env(config: Config, files: RunFiles, base: dict[str, str] | None = None) -> dict[str, str]:
     """The agent's environment: ours plus the ``ELASTICD_*`` contract with the workers."""
     env = dict(os.environ if base is None else base)
@@ -94,31 +139,19 @@ def worker_env(config: Config, files: RunFiles, base: dict[str, str] | None = No
     # NOTIFY_SOCKET could report READY or feed the watchdog on our behalf.
     for var in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
         env.pop(var, None)
-    ckpt, lr = config.checkpoint, config.lr
+    # The daemon's own environment may carry the credentials (config overrides) or stale
+    # contract variables (a setting the config leaves unset must not leak through).
+    for var in (*SECRET_VARS, ETCD_AUTH_STDIN_VAR, *worker_contract.contract_env_names()):
+        env.pop(var, None)
+    env.update(worker_settings(config, files).to_env())
     env.update({
-        "ELASTICD_JOB_ID": config.job.id,
-        "ELASTICD_NODE_ID": config.node.id,
-        "ELASTICD_CHECKPOINT_DIR": ckpt.dir,
-        "ELASTICD_KEEP_LAST": str(ckpt.keep_last),
-        "ELASTICD_LR_RULE": lr.rule,
-        "ELASTICD_LR_BASE_WORLD_SIZE": str(lr.base_world_size),
-        "ELASTICD_LR_WARMUP_STEPS": str(lr.warmup_steps),
-        "ELASTICD_STOP_FILE": str(files.stop),
-        "ELASTICD_PROGRESS_FILE": str(files.progress),
-        "ELASTICD_DAEMON_PID": str(os.getpid()),
         # Publish MASTER_ADDR/PORT afresh every round (see rendezvous/handler.py).
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "PYTHONUNBUFFERED": "1",
         "TMPDIR": str(files.tmp),
     })
-    # 0 means "not by this measure": leave the variable unset rather than pass 0.
-    if ckpt.every_steps:
-        env["ELASTICD_CHECKPOINT_EVERY_STEPS"] = str(ckpt.every_steps)
-    if ckpt.every_s:
-        env["ELASTICD_CHECKPOINT_EVERY_S"] = str(ckpt.every_s)
     if config.etcd.user:
-        env["ELASTICD_ETCD_USER"] = config.etcd.user
-        env["ELASTICD_ETCD_PASSWORD"] = config.etcd.password or ""
+        env[ETCD_AUTH_STDIN_VAR] = "1"  # the credentials follow on stdin (AgentProcess.start)
     return env
 
 
@@ -131,29 +164,90 @@ def prune_log_dirs(parent: Path, keep: int = 5) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+AGENT_LOG_MAX_BYTES = 64 << 20
+AGENT_LOG_KEEP = 3
+
+
+def rotate_log(path: Path, max_bytes: int = AGENT_LOG_MAX_BYTES, keep: int = AGENT_LOG_KEEP) -> bool:
+    """Rotate ``path`` to ``path.1`` (``.1`` to ``.2``, ...) when larger than ``max_bytes``.
+
+    Called before an agent starts, so no process is writing the file. Keeps ``keep``
+    old files; returns whether it rotated. A failure is logged, never raised: a log
+    that cannot be rotated must not stop training.
+    """
+    try:
+        if not path.exists() or path.stat().st_size <= max_bytes:
+            return False
+        for i in range(keep, 0, -1):
+            older = path.with_name(f"{path.name}.{i}")
+            if i == keep:
+                older.unlink(missing_ok=True)
+            else:
+                newer = path.with_name(f"{path.name}.{i + 1}")
+                if older.exists():
+                    older.replace(newer)
+        if keep > 0:
+            path.replace(path.with_name(f"{path.name}.1"))
+        else:
+            path.unlink()
+        return True
+    except OSError as exc:
+        log.warning("agent log not rotated", path=str(path), error=str(exc))
+        return False
+
+
 class AgentProcess:
     """One life of the torchrun agent: start, watch, stop, and kill its workers."""
 
     def __init__(self, command: list[str], env: dict[str, str], log_path: Path,
-                 clock=time.monotonic) -> None:
+                 clock: object = None, *, etcd_auth: EtcdAuth | None = None,
+                 log_max_bytes: int = AGENT_LOG_MAX_BYTES, log_keep: int = AGENT_LOG_KEEP) -> None:
+        # ``clock`` is accepted (and ignored) for existing callers: it only timed the
+        # removed ``started_at``.
+        del clock
+        if (env.get(ETCD_AUTH_STDIN_VAR) == "1") != (etcd_auth is not None):
+            # An agent told to read credentials that never come (or given credentials it
+            # will not read) would fail its rendezvous far from the cause.
+            raise ValueError(
+                f"{ETCD_AUTH_STDIN_VAR}={env.get(ETCD_AUTH_STDIN_VAR)!r} in the agent env but "
+                f"etcd_auth is {'missing' if etcd_auth is None else 'given'}: build the env "
+                "with worker_env and pass etcd_auth=agent.etcd_auth(config)"
+            )
         self._command = command
         self._env = env
         self._log_path = log_path
-        self._clock = clock
+        self._etcd_auth = etcd_auth
+        self._log_max_bytes = log_max_bytes
+        self._log_keep = log_keep
         self.proc: subprocess.Popen | None = None
-        self.started_at: float | None = None
 
     def start(self) -> int:
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(self._env["TMPDIR"])
         shutil.rmtree(tmp, ignore_errors=True)  # the previous agent's leftovers
         tmp.mkdir(parents=True, exist_ok=True)
+        if rotate_log(self._log_path, self._log_max_bytes, self._log_keep):
+            log.info("agent log rotated", path=str(self._log_path), keep=self._log_keep)
+        # The parent-death signal is set by the child after exec (setpriv): Popen's
+        # preexec_fn would run Python between fork and exec while our threads run.
+        command = proctree.with_parent_death_signal(self._command)
+        stdin = subprocess.PIPE if self._etcd_auth else subprocess.DEVNULL
         with open(self._log_path, "ab") as out:
-            self.proc = subprocess.Popen(self._command, env=self._env, stdout=out,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         preexec_fn=proctree.parent_death_signal)
-        self.started_at = self._clock()
+            self.proc = subprocess.Popen(command, env=self._env, stdout=out,
+                                         stderr=subprocess.STDOUT, stdin=stdin)
+        if self._etcd_auth is not None:
+            self._send_auth(self._etcd_auth)
         return self.proc.pid
+
+    def _send_auth(self, auth: EtcdAuth) -> None:
+        # One short line fits in the pipe buffer, so this never blocks on a slow reader.
+        try:
+            self.proc.stdin.write(auth.stdin_line())
+            self.proc.stdin.close()
+        except OSError as exc:  # the agent died at once; its exit code tells the daemon
+            log.warning("etcd credentials not delivered to the agent", error=str(exc))
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
 
     @property
     def pid(self) -> int | None:

@@ -22,8 +22,7 @@ from elasticd.errors import ConfigError
 from elasticd.etcd_client import EtcdSettings, parse_endpoint
 from elasticd.preemption import PreemptionConfig
 from elasticd.rendezvous.keys import check_job_id
-
-LR_RULES = ("linear", "sqrt", "none")
+from elasticd.worker_contract import DEFAULT_LR_RULE, KEEP_LAST_RULE, LR_RULES, is_valid_keep_last
 
 
 def _require(ok: bool, key: str, value: Any, fix: str) -> None:
@@ -130,13 +129,13 @@ class CheckpointConfig:
                  self.every_steps, "use a whole number >= 0 (0 = only by time)")
         _require(self.every_s >= 0, "checkpoint.every_s", self.every_s,
                  "use seconds >= 0 (0 = only by steps)")
-        _require(isinstance(self.keep_last, int) and self.keep_last >= 2, "checkpoint.keep_last",
-                 self.keep_last, "keep at least 2, so a crash during a save leaves a valid older one")
+        _require(is_valid_keep_last(self.keep_last), "checkpoint.keep_last", self.keep_last,
+                 KEEP_LAST_RULE)
 
 
 @dataclass(frozen=True)
 class LrConfig:
-    rule: str = "linear"
+    rule: str = DEFAULT_LR_RULE   # the workers' default too (elasticd/worker_contract.py)
     base_world_size: int = 1
     warmup_steps: int = 0
 

@@ -3,8 +3,9 @@
 Two sources, both optional beyond torchrun's own variables:
 
 * torchrun's worker environment (RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK, ...);
-* the ``ELASTICD_*`` contract set by the elasticd daemon. A plain torchrun user may
-  export the same variables by hand or pass the equivalent script arguments
+* the ``ELASTICD_*`` contract set by the elasticd daemon, defined once in
+  ``elasticd.worker_contract`` (torch-free, shared with the daemon). A plain torchrun
+  user may export the same variables by hand or pass the equivalent script arguments
   (``ElasticContext.with_overrides``).
 """
 
@@ -16,9 +17,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from elasticd.worker_contract import (
+    DEFAULT_LR_RULE,
+    FIELD_NAMES,
+    LR_RULES,
+    WorkerContractError,
+    WorkerSettings,
+)
 from trainer.errors import ConfigError, LaunchError
 
-LR_RULES = ("linear", "sqrt", "none")
+__all__ = ["DEFAULT_LR_RULE", "LR_RULES", "REQUIRED_VARS", "ElasticContext"]
 
 # env:// process-group init needs all of these; torchrun always sets them.
 REQUIRED_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -31,11 +39,13 @@ _HOW_TO_LAUNCH = (
 )
 
 
-@dataclass(frozen=True)
-class ElasticContext:
+@dataclass(frozen=True, kw_only=True)
+class ElasticContext(WorkerSettings):
     """This worker's place in the world plus the ``ELASTICD_*`` settings.
 
-    ``None`` means "not set": the library then uses its documented default.
+    The settings are inherited from ``elasticd.worker_contract.WorkerSettings`` (the
+    one definition the daemon writes from); ``None`` means "not set": the library
+    then uses its documented default.
     """
 
     rank: int
@@ -47,39 +57,15 @@ class ElasticContext:
     run_id: str = "none"
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
-    job_id: str | None = None
-    node_id: str | None = None
-    checkpoint_dir: str | None = None
-    checkpoint_every_steps: int | None = None
-    checkpoint_every_s: float | None = None
-    keep_last: int = 3
-    lr_rule: str = "none"
-    lr_base_world_size: int | None = None
-    lr_warmup_steps: int = 0
-    stop_file: str | None = None
-    progress_file: str | None = None
-    daemon_pid: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.world_size >= 1, "WORLD_SIZE", self.world_size, "a positive integer")
         _check(0 <= self.rank < self.world_size, "RANK", self.rank, f"0 <= RANK < {self.world_size}")
         _check(self.local_rank >= 0, "LOCAL_RANK", self.local_rank, "a non-negative integer")
-        _check(self.lr_rule in LR_RULES, "ELASTICD_LR_RULE", self.lr_rule, " | ".join(LR_RULES))
-        # Two at least, so a crash during a save always leaves an older committed one.
-        _check(self.keep_last >= 2, "ELASTICD_KEEP_LAST", self.keep_last, "an integer >= 2")
-        _check(self.lr_warmup_steps >= 0, "ELASTICD_LR_WARMUP_STEPS", self.lr_warmup_steps, ">= 0")
-        _check(
-            self.lr_base_world_size is None or self.lr_base_world_size >= 1,
-            "ELASTICD_LR_BASE_WORLD_SIZE", self.lr_base_world_size, "a positive integer",
-        )
-        _check(
-            self.checkpoint_every_steps is None or self.checkpoint_every_steps >= 1,
-            "ELASTICD_CHECKPOINT_EVERY_STEPS", self.checkpoint_every_steps, "an integer >= 1",
-        )
-        _check(
-            self.checkpoint_every_s is None or self.checkpoint_every_s > 0,
-            "ELASTICD_CHECKPOINT_EVERY_S", self.checkpoint_every_s, "a number > 0",
-        )
+        try:
+            super().__post_init__()
+        except WorkerContractError as exc:
+            raise ConfigError(str(exc)) from None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ElasticContext:
@@ -91,6 +77,10 @@ class ElasticContext:
                 f"missing environment variable(s) {', '.join(missing)}: this is not a torchrun "
                 f"worker; {_HOW_TO_LAUNCH}"
             )
+        try:
+            settings = WorkerSettings.from_env(env)
+        except WorkerContractError as exc:
+            raise ConfigError(str(exc)) from None
         world_size = _parse(env, "WORLD_SIZE", int)
         return cls(
             rank=_parse(env, "RANK", int),
@@ -102,7 +92,7 @@ class ElasticContext:
             run_id=env.get("TORCHELASTIC_RUN_ID") or "none",
             master_addr=env["MASTER_ADDR"],
             master_port=_parse(env, "MASTER_PORT", int),
-            **_elasticd_settings(env),
+            **settings.as_dict(),
         )
 
     @classmethod
@@ -119,31 +109,17 @@ class ElasticContext:
         return dataclasses.replace(self, **given)
 
     @property
+    def settings(self) -> WorkerSettings:
+        """The ``ELASTICD_*`` part alone (e.g. to hand on to a child process)."""
+        return WorkerSettings(**{name: getattr(self, name) for name in FIELD_NAMES})
+
+    @property
     def is_rank0(self) -> bool:
         return self.rank == 0
 
     @property
     def is_local_rank0(self) -> bool:
         return self.local_rank == 0
-
-
-def _elasticd_settings(env: Mapping[str, str]) -> dict[str, Any]:
-    settings = {
-        "job_id": env.get("ELASTICD_JOB_ID") or None,
-        "node_id": env.get("ELASTICD_NODE_ID") or None,
-        "checkpoint_dir": env.get("ELASTICD_CHECKPOINT_DIR") or None,
-        "checkpoint_every_steps": _parse(env, "ELASTICD_CHECKPOINT_EVERY_STEPS", int),
-        "checkpoint_every_s": _parse(env, "ELASTICD_CHECKPOINT_EVERY_S", float),
-        "keep_last": _parse(env, "ELASTICD_KEEP_LAST", int),
-        "lr_rule": (env.get("ELASTICD_LR_RULE") or "").strip().lower() or None,
-        "lr_base_world_size": _parse(env, "ELASTICD_LR_BASE_WORLD_SIZE", int),
-        "lr_warmup_steps": _parse(env, "ELASTICD_LR_WARMUP_STEPS", int),
-        "stop_file": env.get("ELASTICD_STOP_FILE") or None,
-        "progress_file": env.get("ELASTICD_PROGRESS_FILE") or None,
-        "daemon_pid": _parse(env, "ELASTICD_DAEMON_PID", int),
-    }
-    # Unset variables fall back to the dataclass defaults.
-    return {k: v for k, v in settings.items() if v is not None}
 
 
 def _parse(env: Mapping[str, str], name: str, kind: Callable[[str], Any], default: Any = None):

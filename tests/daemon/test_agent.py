@@ -1,13 +1,38 @@
-"""The torchrun command line and environment the daemon builds (no processes)."""
+"""The torchrun command line, the environment and the agent process the daemon builds."""
 
 from __future__ import annotations
 
+import inspect
+import io
+import json
 import os
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
-from elasticd.agent import RunFiles, prune_log_dirs, torchrun_command, worker_env
+import psutil
+import pytest
+
+from elasticd import proctree
+from elasticd.agent import (
+    AgentProcess,
+    RunFiles,
+    etcd_auth,
+    prune_log_dirs,
+    rotate_log,
+    torchrun_command,
+    worker_env,
+    worker_settings,
+)
 from elasticd.config import config_from_dict
+from elasticd.worker_contract import (
+    DEFAULT_LR_RULE,
+    ETCD_AUTH_STDIN_VAR,
+    WorkerSettings,
+    decode_etcd_auth,
+)
 
 CONFIG = config_from_dict({
     "job": {"id": "j1", "entrypoint": ["train.py", "--x", "1"], "min_nodes": 2, "max_nodes": 4},
@@ -49,3 +74,181 @@ def test_prune_keeps_the_newest_log_dirs(tmp_path):
         os.utime(d, (time.time() - 100 + i, time.time() - 100 + i))
     prune_log_dirs(tmp_path, keep=5)
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"run_{i}" for i in range(2, 7)]
+
+
+# -- the worker contract in the environment ---------------------------------------------------
+
+AUTH_CONFIG = config_from_dict({
+    "job": {"id": "j1", "entrypoint": ["train.py"]},
+    "etcd": {"endpoints": ["127.0.0.1:2379"], "user": "elastic", "password": 'pa"ss\nword'},
+    "node": {"id": "n1"},
+})
+
+
+def test_environment_is_the_contract_and_round_trips(tmp_path):
+    env = worker_env(CONFIG, RunFiles(tmp_path), base={})
+    settings = WorkerSettings.from_env(env)
+    assert settings == worker_settings(CONFIG, RunFiles(tmp_path))
+    assert settings.to_env().items() <= env.items()
+    assert settings.lr_rule == DEFAULT_LR_RULE == CONFIG.lr.rule
+    assert settings.checkpoint_every_s == 30.0 and settings.checkpoint_every_steps is None
+
+
+def test_stale_contract_and_secret_variables_of_the_daemon_do_not_leak(tmp_path):
+    base = {"ELASTICD_CHECKPOINT_EVERY_STEPS": "5", "ELASTICD_ETCD_USER": "elastic",
+            "ELASTICD_ETCD_PASSWORD": "leaked", "ELASTICD_ETCD_AUTH_STDIN": "1"}
+    env = worker_env(CONFIG, RunFiles(tmp_path), base=base)
+    assert "ELASTICD_CHECKPOINT_EVERY_STEPS" not in env  # the config says 0: not by steps
+    assert not any(k.startswith("ELASTICD_ETCD_") for k in env)
+    assert "leaked" not in "".join(env.values())
+
+
+def test_etcd_credentials_are_never_in_the_agent_environment(tmp_path):
+    env = worker_env(AUTH_CONFIG, RunFiles(tmp_path), base={"PATH": "/bin"})
+    assert env[ETCD_AUTH_STDIN_VAR] == "1"
+    assert "ELASTICD_ETCD_USER" not in env and "ELASTICD_ETCD_PASSWORD" not in env
+    assert not any("pa\"ss" in v for v in env.values())
+    assert "pa" not in repr(etcd_auth(AUTH_CONFIG)).split("user=")[1]  # repr hides the password
+    assert etcd_auth(CONFIG) is None
+
+
+# A fake "torchrun": records its stdin (bytes), what fd 0 is and its environment.
+_RECORDER = textwrap.dedent("""
+    import json, os, sys
+    data = sys.stdin.buffer.read()
+    with open(sys.argv[1], "w") as f:
+        json.dump({"stdin": data.hex(), "fd0": os.readlink("/proc/self/fd/0"),
+                   "env": dict(os.environ)}, f)
+""")
+
+
+def _run_recorder(tmp_path: Path, config, auth) -> dict:
+    out = tmp_path / "record.json"
+    files = RunFiles(tmp_path / "run")
+    agent = AgentProcess([sys.executable, "-c", _RECORDER, str(out)],
+                         worker_env(config, files), files.agent_log, etcd_auth=auth)
+    agent.start()
+    assert agent.proc.wait(30) == 0, files.agent_log.read_text()
+    return json.loads(out.read_text())
+
+
+def test_agent_reads_the_credentials_as_one_json_line_on_stdin(tmp_path):
+    record = _run_recorder(tmp_path, AUTH_CONFIG, etcd_auth(AUTH_CONFIG))
+    line = bytes.fromhex(record["stdin"])
+    assert line == b'{"user": "elastic", "password": "pa\\"ss\\nword"}\n'  # exactly, then EOF
+    assert decode_etcd_auth(io.BytesIO(line)) == ("elastic", 'pa"ss\nword')
+    assert record["fd0"].startswith("pipe:")
+    assert record["env"][ETCD_AUTH_STDIN_VAR] == "1"
+    assert not any("pa\"ss" in v for v in record["env"].values())
+
+
+def test_without_auth_stdin_stays_dev_null(tmp_path):
+    record = _run_recorder(tmp_path, CONFIG, None)
+    assert record["stdin"] == "" and record["fd0"] == "/dev/null"
+    assert ETCD_AUTH_STDIN_VAR not in record["env"]
+
+
+def test_auth_flag_and_credentials_must_agree(tmp_path):
+    files = RunFiles(tmp_path)
+    with pytest.raises(ValueError, match="etcd_auth is missing"):
+        AgentProcess(["true"], worker_env(AUTH_CONFIG, files), files.agent_log)
+    with pytest.raises(ValueError, match="etcd_auth is given"):
+        AgentProcess(["true"], worker_env(CONFIG, files), files.agent_log,
+                     etcd_auth=etcd_auth(AUTH_CONFIG))
+
+
+# -- the parent-death signal ----------------------------------------------------------------
+
+# A "daemon": starts an agent (sleeps) with AgentProcess while another thread runs (the
+# daemon's prober, lease keeper), prints the agent's pid, then waits to be SIGKILLed.
+_DAEMON = textwrap.dedent("""
+    import sys, threading, time
+    from pathlib import Path
+    from elasticd import proctree
+    from elasticd.agent import AgentProcess
+    proctree.SETPRIV = sys.argv[2]
+    threading.Thread(target=lambda: [time.sleep(0.001) for _ in iter(int, 1)], daemon=True).start()
+    run = Path(sys.argv[1])
+    agent = AgentProcess([sys.executable, "-c", "import time; time.sleep(60)"],
+                         {"TMPDIR": str(run / "tmp"), "PATH": "/usr/bin:/bin"}, run / "agent.log")
+    print(agent.start(), flush=True)
+    time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("setpriv", [proctree.SETPRIV, ""], ids=["setpriv", "python-fallback"])
+def test_a_sigkilled_daemon_takes_its_agent_along(tmp_path, setpriv):
+    if setpriv and not os.access(setpriv, os.X_OK):
+        pytest.skip(f"{setpriv} is not installed")
+    daemon = subprocess.Popen([sys.executable, "-c", _DAEMON, str(tmp_path), setpriv],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        agent_pid = int(daemon.stdout.readline())
+        agent = psutil.Process(agent_pid)
+        # Once the wrapper has become the command, the signal is set (before that, killing
+        # the daemon tests the parent check instead: test_orphaned_before_the_signal_...).
+        assert proctree.wait_for(lambda: agent.cmdline()[:2] == [sys.executable, "-c"], 10)
+        assert proctree.pid_alive(agent)
+    finally:
+        daemon.kill()
+        daemon.wait()
+    started = time.monotonic()
+    assert proctree.wait_for(lambda: not proctree.pid_alive(agent_pid), 5)  # pytest adopts it
+    assert time.monotonic() - started < 1.0
+    proctree.reap_children()
+
+
+def test_the_command_is_prefixed_not_forked_with_python():
+    cmd = proctree.with_parent_death_signal(["torchrun", "x"])
+    if os.access(proctree.SETPRIV, os.X_OK):
+        assert cmd[:5] == [proctree.SETPRIV, "--pdeathsig", "KILL", "--", "/bin/sh"]
+    assert cmd[-3:] == [str(os.getpid()), "torchrun", "x"]
+    fallback = proctree.with_parent_death_signal(["torchrun", "x"], setpriv="")
+    assert fallback[0] == sys.executable and fallback[-3:] == [str(os.getpid()), "torchrun", "x"]
+    assert "preexec_fn=" not in inspect.getsource(AgentProcess.start)
+
+
+@pytest.mark.parametrize("setpriv", [proctree.SETPRIV, ""], ids=["setpriv", "python-fallback"])
+def test_orphaned_before_the_signal_was_set_the_command_never_runs(tmp_path, setpriv):
+    """A parent that died between fork and prctl: the child sees another parent and exits."""
+    if setpriv and not os.access(setpriv, os.X_OK):
+        pytest.skip(f"{setpriv} is not installed")
+    marker = tmp_path / "ran"
+    command = [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    # parent_pid=1 stands for "the parent that started me": it is not our parent.
+    wrapped = proctree.with_parent_death_signal(command, setpriv=setpriv, parent_pid=1)
+    assert subprocess.run(wrapped, timeout=30).returncode == 1
+    assert not marker.exists()
+    ok = proctree.with_parent_death_signal(command, setpriv=setpriv)
+    assert subprocess.run(ok, timeout=30).returncode == 0 and marker.exists()
+
+
+# -- agent.log rotation ---------------------------------------------------------------------
+
+def test_agent_log_is_rotated_at_start_when_too_big(tmp_path):
+    files = RunFiles(tmp_path)
+    env = worker_env(CONFIG, files, base={"PATH": "/bin"})
+    for i in range(6):
+        agent = AgentProcess([sys.executable, "-c", f"print('life {i}', 'x' * 200)"], env,
+                             files.agent_log, log_max_bytes=100, log_keep=3)
+        agent.start()
+        assert agent.proc.wait(30) == 0
+    logs = sorted(p.name for p in tmp_path.glob("agent.log*"))
+    assert logs == ["agent.log", "agent.log.1", "agent.log.2", "agent.log.3"]
+    assert files.agent_log.read_text().startswith("life 5")
+    assert (tmp_path / "agent.log.1").read_text().startswith("life 4")
+    assert (tmp_path / "agent.log.3").read_text().startswith("life 2")
+
+
+def test_small_agent_log_is_appended_to(tmp_path):
+    log_path = tmp_path / "agent.log"
+    log_path.write_text("old\n")
+    assert not rotate_log(log_path, max_bytes=100)
+    log_path.write_text("x" * 101)
+    assert rotate_log(log_path, max_bytes=100, keep=2) and not log_path.exists()
+    assert (tmp_path / "agent.log.1").read_text() == "x" * 101
+    assert not rotate_log(tmp_path / "missing.log")
+
+
+def test_started_at_is_gone():
+    assert not hasattr(AgentProcess(["true"], {"TMPDIR": "/tmp"}, Path("/tmp/x")), "started_at")

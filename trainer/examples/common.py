@@ -13,7 +13,8 @@ from datetime import timedelta
 
 import torch
 
-from trainer.context import LR_RULES, ElasticContext
+from elasticd import worker_contract
+from trainer.context import ElasticContext
 from trainer.logs import configure_logging
 from trainer.loop import BatchFn, ElasticTrainer, LossFn, TrainConfig
 
@@ -36,17 +37,36 @@ def parser(description: str, *, batch_size: int, lr: float) -> argparse.Argument
     run.add_argument("--log-every", type=int, default=10)
     run.add_argument("--collective-timeout-s", type=float, default=120.0)
     run.add_argument("--log-level", default="info")
-    env = p.add_argument_group("elastic settings (override the ELASTICD_* environment)")
-    env.add_argument("--checkpoint-dir")
-    env.add_argument("--checkpoint-every-steps", type=int)
-    env.add_argument("--checkpoint-every-s", type=float)
-    env.add_argument("--keep-last", type=int)
-    env.add_argument("--lr-rule", choices=LR_RULES)
-    env.add_argument("--lr-base-world-size", type=int)
-    env.add_argument("--lr-warmup-steps", type=int)
-    env.add_argument("--stop-file")
-    env.add_argument("--progress-file")
+    add_contract_flags(p)
     return p
+
+
+def add_contract_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per worker-contract setting (``--keep-last`` for ``ELASTICD_KEEP_LAST``, ...).
+
+    Generated from ``elasticd.worker_contract.FIELDS``, so a new setting gets its flag
+    without an edit here. A flag left out keeps the environment's value (default None).
+    """
+    env = p.add_argument_group("elastic settings (override the ELASTICD_* environment)")
+    for f in worker_contract.FIELDS:
+        meta = f.metadata
+        default = "" if f.default is None else f" (default {f.default})"
+        env.add_argument(
+            worker_contract.flag_name(f), dest=f.name, default=None,
+            type=_flag_type(f), choices=meta["choices"] or None,
+            help=f"{meta['help']}; overrides {worker_contract.env_name(f)}{default}",
+        )
+
+
+def _flag_type(f):
+    """argparse type: the contract's own parser, so flags and variables accept the same text."""
+    def convert(raw: str):
+        try:
+            return worker_contract.parse(f, raw)
+        except worker_contract.WorkerContractError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
 
 
 def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -60,15 +80,7 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argp
 def context(args: argparse.Namespace) -> ElasticContext:
     """torchrun's and elasticd's environment, with the command line's overrides."""
     return ElasticContext.from_env().with_overrides(
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every_steps=args.checkpoint_every_steps,
-        checkpoint_every_s=args.checkpoint_every_s,
-        keep_last=args.keep_last,
-        lr_rule=args.lr_rule,
-        lr_base_world_size=args.lr_base_world_size,
-        lr_warmup_steps=args.lr_warmup_steps,
-        stop_file=args.stop_file,
-        progress_file=args.progress_file,
+        **{name: getattr(args, name) for name in worker_contract.FIELD_NAMES}
     )
 
 
