@@ -5,7 +5,7 @@
 #   e.g. deploy/etcd/cluster.sh ./etcd-out etcd-a=10.0.0.11 etcd-b=10.0.0.12 etcd-c=10.0.0.13
 #
 # Writes OUT_DIR/tls/ (make-certs.sh: ca.pem, server-<HOST>.pem per member, client.pem for
-# elasticd) and OUT_DIR/<NAME>.env, the EnvironmentFile of deploy/systemd/etcd-member.service
+# elasticd; peer-ca.pem and peer-<HOST>.pem per member for the peer port) and OUT_DIR/<NAME>.env, the EnvironmentFile of deploy/systemd/etcd-member.service
 # on that member (install it as /etc/etcd/etcd.env). etcd reads every flag from ETCD_*
 # variables, so the unit's ExecStart stays the same on every member.
 #
@@ -14,8 +14,10 @@
 #   ETCD_DATA_DIR       the member's data dir (the unit's StateDirectory) (/var/lib/etcd)
 #   ETCD_CLUSTER_TOKEN  unique per cluster, so two clusters never merge    (random)
 #
-# Client and peer traffic are TLS with client-certificate auth: a peer or client without a
-# certificate signed by OUT_DIR/tls/ca.pem is refused. Re-running keeps the CA.
+# Client and peer traffic are TLS with client-certificate auth, each with its own CA: a
+# client needs a certificate of tls/ca.pem, a peer one of tls/peer-ca.pem with
+# CN=elasticd-etcd-peer, so an elasticd node's client certificate is refused on the peer
+# port. Re-running keeps the CAs.
 set -euo pipefail
 usage="usage: cluster.sh OUT_DIR NAME=HOST[:CLIENT_PORT:PEER_PORT] ... (3 members recommended)"
 out=${1:?$usage}
@@ -71,8 +73,9 @@ for i in "${!names[@]}"; do
   fi
   cat >"$out/$name.env" <<ENV
 # etcd member $name ($host) of a $n-member cluster; written by deploy/etcd/cluster.sh.
-# Install as /etc/etcd/etcd.env on $host, with ca.pem, server-$host.pem and
-# server-$host-key.pem from tls/ in $tls_dir (key readable by the etcd user only).
+# Install as /etc/etcd/etcd.env on $host, with ca.pem, server-$host.pem, server-$host-key.pem,
+# peer-ca.pem, peer-$host.pem and peer-$host-key.pem from tls/ in $tls_dir (keys readable by
+# the etcd user only).
 ETCD_NAME=$name
 ETCD_DATA_DIR=$data_dir
 ETCD_LISTEN_CLIENT_URLS=$listen_client
@@ -88,11 +91,13 @@ ETCD_CERT_FILE=$tls_dir/server-$host.pem
 ETCD_KEY_FILE=$tls_dir/server-$host-key.pem
 ETCD_TRUSTED_CA_FILE=$tls_dir/ca.pem
 ETCD_CLIENT_CERT_AUTH=true
-# Peers authenticate each other with the same CA (server certs carry clientAuth too).
-ETCD_PEER_CERT_FILE=$tls_dir/server-$host.pem
-ETCD_PEER_KEY_FILE=$tls_dir/server-$host-key.pem
-ETCD_PEER_TRUSTED_CA_FILE=$tls_dir/ca.pem
+# Peers authenticate each other with their own CA, and must carry the peer CN: a client
+# certificate (signed by ca.pem) cannot speak raft to a member.
+ETCD_PEER_CERT_FILE=$tls_dir/peer-$host.pem
+ETCD_PEER_KEY_FILE=$tls_dir/peer-$host-key.pem
+ETCD_PEER_TRUSTED_CA_FILE=$tls_dir/peer-ca.pem
 ETCD_PEER_CLIENT_CERT_AUTH=true
+ETCD_PEER_CERT_ALLOWED_CN=elasticd-etcd-peer
 # Rendezvous rounds and node records rewrite a few keys all the time: without compaction
 # the history grows until the 2 GiB quota raises the NOSPACE alarm and etcd refuses writes.
 ETCD_AUTO_COMPACTION_MODE=periodic
@@ -107,5 +112,6 @@ cat <<MSG
 wrote $out/tls/ and ${names[*]/%/.env} in $out
 elasticd nodes: copy tls/ca.pem, tls/client.pem, tls/client-key.pem to /etc/elasticd/tls/ and set
   [etcd] endpoints = [$endpoints]
-then, once the cluster is up: deploy/etcd/setup-auth.sh "${endpoints//[\" ]/}" $out/tls
+(never the peer-* files: they stay on the etcd members), then, once the cluster is up, per job:
+  deploy/etcd/setup-auth.sh "${endpoints//[\" ]/}" $out/tls JOB
 MSG

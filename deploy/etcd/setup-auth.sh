@@ -1,25 +1,42 @@
 #!/usr/bin/env bash
-# Turn on etcd authentication for elasticd: a root user, and an `elasticd` user whose
-# role may read and write only the keys under /elasticd/ (every job's prefix).
+# Turn on etcd authentication for one elasticd job: a root user, and for the job a user
+# `elasticd-<JOB>` whose role `elasticd-<JOB>` may read and write only that job's keys
+# (/elasticd/<JOB>/). One job's nodes (and its workers, should they get hold of the
+# credentials) cannot read or break another job's rendezvous. Run it once per job.
 #
-#   ETCD_ROOT_PASSWORD=... ELASTICD_ETCD_PASSWORD=... deploy/etcd/setup-auth.sh ENDPOINTS TLS_DIR
-#   e.g. deploy/etcd/setup-auth.sh 10.0.0.11:2379,10.0.0.12:2379,10.0.0.13:2379 ./etcd-out/tls
+#   ETCD_ROOT_PASSWORD=... ELASTICD_ETCD_PASSWORD=... deploy/etcd/setup-auth.sh ENDPOINTS TLS_DIR JOB
+#   e.g. deploy/etcd/setup-auth.sh 10.0.0.11:2379,10.0.0.12:2379,10.0.0.13:2379 ./etcd-out/tls llm-7b
 #
 # ENDPOINTS: comma-separated HOST:PORT of the members (TLS). TLS_DIR: ca.pem, client.pem and
-# client-key.pem from make-certs.sh / cluster.sh. Optional environment: ETCDCTL (the etcdctl
-# binary; default: etcdctl on PATH), ELASTICD_KEY_PREFIX (the [etcd] key_prefix; /elasticd).
+# client-key.pem from make-certs.sh / cluster.sh. JOB: the job id ([job] id in the config).
+# ELASTICD_ETCD_PASSWORD: the password of user elasticd-<JOB>; the job's nodes then set
+# [etcd] user = "elasticd-<JOB>". Optional environment: ETCDCTL (the etcdctl binary;
+# default: etcdctl on PATH), ELASTICD_KEY_PREFIX (the [etcd] key_prefix; /elasticd).
+#
+# No user is named after the client certificate's CN (elasticd): with client-cert-auth a
+# request with the certificate and no password would act as that user, so the certificate
+# alone grants nothing once auth is on.
 #
 # Idempotent: run it again to rotate either password; users and roles that exist are kept.
 # Passwords go to etcdctl on stdin or in its environment, never on a command line that
 # `ps` would show to other users.
 set -euo pipefail
-usage="usage: ETCD_ROOT_PASSWORD=... ELASTICD_ETCD_PASSWORD=... setup-auth.sh ENDPOINTS TLS_DIR"
+usage="usage: ETCD_ROOT_PASSWORD=... ELASTICD_ETCD_PASSWORD=... setup-auth.sh ENDPOINTS TLS_DIR JOB"
 endpoints=${1:?$usage}
 tls=${2:?$usage}
+job=${3:?$usage}
 : "${ETCD_ROOT_PASSWORD:?$usage}" "${ELASTICD_ETCD_PASSWORD:?$usage}"
 etcdctl=${ETCDCTL:-etcdctl}
 root=${ELASTICD_KEY_PREFIX:-/elasticd}
-prefix="${root%/}/"   # the trailing slash keeps /elasticd-other/ out of the grant
+# The same rule as elasticd's job ids (rendezvous/keys.py): it becomes a key prefix and a name.
+if [[ ! $job =~ ^[a-z0-9][a-z0-9._-]{0,127}$ ]]; then
+  echo "setup-auth.sh: job id '$job' is not valid: use 1-128 characters of a-z, 0-9, '.', '_'" \
+    "or '-', starting with a letter or digit" >&2
+  exit 2
+fi
+# The trailing slash keeps job "a" out of job "a-2"'s keys (/elasticd/a/ vs /elasticd/a-2/).
+prefix="${root%/}/$job/"
+name="elasticd-$job"
 for f in ca.pem client.pem client-key.pem; do
   [ -r "$tls/$f" ] || { echo "setup-auth.sh: $tls/$f is missing or unreadable" >&2; exit 2; }
 done
@@ -55,9 +72,16 @@ if ! ctl user list >/dev/null; then
 fi
 set_user root "$ETCD_ROOT_PASSWORD"
 ctl user grant-role root root >/dev/null
-exists role elasticd || ctl role add elasticd >/dev/null
-ctl role grant-permission --prefix=true elasticd readwrite "$prefix" >/dev/null
-set_user elasticd "$ELASTICD_ETCD_PASSWORD"
-ctl user grant-role elasticd elasticd >/dev/null
+exists role "$name" || ctl role add "$name" >/dev/null
+ctl role grant-permission --prefix=true "$name" readwrite "$prefix" >/dev/null
+set_user "$name" "$ELASTICD_ETCD_PASSWORD"
+ctl user grant-role "$name" "$name" >/dev/null
 ctl auth enable >/dev/null
-echo "etcd auth enabled at $endpoints: user elasticd may read and write $prefix only"
+if exists user elasticd; then
+  # Left by the earlier version of this script: one user for every job, and the user the
+  # client certificate's CN maps to. Not removed here, so running jobs keep working.
+  echo "setup-auth.sh: warning: user 'elasticd' (all of ${root%/}/, and what the client" \
+    "certificate alone acts as) still exists; once every job has its own user, remove it:" \
+    "etcdctl user delete elasticd" >&2
+fi
+echo "etcd auth enabled at $endpoints: user $name may read and write $prefix only"

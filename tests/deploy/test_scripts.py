@@ -55,10 +55,14 @@ def test_cluster_sh_refuses_bad_members(args, message, tmp_path):
 def test_setup_auth_needs_both_passwords_and_the_tls_files(tmp_path):
     script = str(DEPLOY / "etcd/setup-auth.sh")
     base = {"PATH": os.environ.get("PATH", "")}
-    done = run("bash", script, "127.0.0.1:2379", str(tmp_path), env=base)
+    passwords = {**base, "ETCD_ROOT_PASSWORD": "r", "ELASTICD_ETCD_PASSWORD": "e"}
+    done = run("bash", script, "127.0.0.1:2379", str(tmp_path), "job-a", env=base)
     assert done.returncode != 0 and "usage:" in done.stderr
-    done = run("bash", script, "127.0.0.1:2379", str(tmp_path),
-               env={**base, "ETCD_ROOT_PASSWORD": "r", "ELASTICD_ETCD_PASSWORD": "e"})
+    done = run("bash", script, "127.0.0.1:2379", str(tmp_path), env=passwords)
+    assert done.returncode != 0 and "usage:" in done.stderr and "JOB" in done.stderr
+    done = run("bash", script, "127.0.0.1:2379", str(tmp_path), "Job A", env=passwords)
+    assert done.returncode == 2 and "job id 'Job A' is not valid" in done.stderr
+    done = run("bash", script, "127.0.0.1:2379", str(tmp_path), "job-a", env=passwords)
     assert done.returncode == 2 and "ca.pem is missing" in done.stderr
 
 
