@@ -158,6 +158,12 @@ class SupervisorConfig:
     crash_loop_window_s: float = 600.0  # ... within this window mark the node failed
     drain_grace_s: float = 60.0
     monitor_interval_s: float = 0.1
+    # Training hang: the workers are alive but the step does not advance for
+    # hang_timeout_s (> 0), or by default max(hang_floor_s, hang_factor x the median
+    # step time): the node kills its workers and recovers as from a crash.
+    hang_timeout_s: float = 0.0
+    hang_floor_s: float = 120.0
+    hang_factor: float = 20.0
 
     def __post_init__(self) -> None:
         _require(self.worker_restarts >= 0, "supervisor.worker_restarts", self.worker_restarts,
@@ -171,6 +177,12 @@ class SupervisorConfig:
         _require(self.drain_grace_s > 0, "supervisor.drain_grace_s", self.drain_grace_s, "use seconds > 0")
         _require(0 < self.monitor_interval_s <= 5, "supervisor.monitor_interval_s",
                  self.monitor_interval_s, "use seconds in (0, 5]")
+        _require(self.hang_timeout_s >= 0, "supervisor.hang_timeout_s", self.hang_timeout_s,
+                 "use seconds >= 0 (0 = derived from the measured step time)")
+        _require(self.hang_floor_s > 0, "supervisor.hang_floor_s", self.hang_floor_s,
+                 "use seconds > 0 (the shortest stall that counts as a hang)")
+        _require(self.hang_factor >= 2, "supervisor.hang_factor", self.hang_factor,
+                 "use a number >= 2 (times the median step time)")
 
 
 @dataclass(frozen=True)

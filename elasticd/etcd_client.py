@@ -14,22 +14,26 @@ which is what torch's rendezvous and our store do.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import etcd3
+import etcd3.events
 import etcd3.exceptions as etcd_exc
 import etcd3.watch
 import grpc
 import structlog
 import tenacity
 from etcd3 import utils as etcd_utils
+from etcd3.client import EtcdTokenCallCredentials
 
 from elasticd.errors import ConfigError, EtcdAuthError, EtcdError, EtcdUnavailable
 
@@ -49,6 +53,11 @@ if not hasattr(etcd3.watch, "six"):
 
 _NO_RETRY: contextvars.ContextVar[bool] = contextvars.ContextVar("elasticd_etcd_no_retry",
                                                                 default=False)
+# Monotonic time by which every etcd call of this thread must be over (see ``deadline``).
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("elasticd_etcd_deadline",
+                                                                        default=None)
+# An attempt never gets less than this: a shorter grpc deadline could fail a healthy call.
+_MIN_ATTEMPT_S = 0.05
 
 
 @contextmanager
@@ -65,6 +74,30 @@ def no_retry() -> Iterator[None]:
         _NO_RETRY.reset(token)
 
 
+@contextmanager
+def deadline(seconds: float, clock: Callable[[], float] = time.monotonic) -> Iterator[None]:
+    """Within this block, etcd calls of this thread end by ``clock() + seconds``.
+
+    Each attempt's grpc timeout is cut to the time left, retries stop at the
+    deadline, and a call made after it raises ``EtcdUnavailable`` at once. The
+    daemon's loop runs each cycle inside one, so a frozen etcd (whose kernel still
+    accepts connections) never holds a cycle past its budget. Nested blocks keep
+    the earlier deadline.
+    """
+    until = clock() + seconds
+    outer = _DEADLINE.get()
+    token = _DEADLINE.set(until if outer is None else min(until, outer))
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
+def _time_left() -> float | None:
+    until = _DEADLINE.get()
+    return None if until is None else until - time.monotonic()
+
+
 def parse_endpoint(text: str) -> tuple[str, int]:
     """``host[:port]`` or ``http(s)://host[:port]`` -> (host, port); a clear error otherwise."""
     raw = text.strip()
@@ -72,6 +105,8 @@ def parse_endpoint(text: str) -> tuple[str, int]:
         if raw.startswith(scheme):
             raw = raw[len(scheme):]
     raw = raw.rstrip("/")
+    if "/" in raw:
+        raise ConfigError(f"etcd endpoint {text!r} has a path; write it as HOST:PORT, e.g. 127.0.0.1:2379")
     if not raw:
         raise ConfigError(f"etcd endpoint {text!r} is empty; write it as HOST:PORT, e.g. 127.0.0.1:2379")
     host, sep, port_text = raw.rpartition(":")
@@ -103,6 +138,14 @@ class EtcdSettings:
             raise ConfigError("etcd endpoints is empty; give at least one HOST:PORT")
         for endpoint in self.endpoints:
             parse_endpoint(endpoint)
+            if endpoint.strip().startswith("https://") and self.ca_cert is None:
+                # Stripping the scheme and connecting in plaintext would send the
+                # password in the clear to whoever answers.
+                raise ConfigError(f"etcd endpoint {endpoint!r} asks for TLS but ca_cert is not set; "
+                                  "set ca_cert (the CA that signed the etcd servers) or use http://")
+            if endpoint.strip().startswith("http://") and self.ca_cert is not None:
+                raise ConfigError(f"etcd endpoint {endpoint!r} says plaintext but ca_cert is set; "
+                                  "use https:// or HOST:PORT")
         if (self.cert is None) != (self.key is None):
             raise ConfigError("etcd TLS: set both cert and key (client certificate and its key), or neither")
         if self.cert is not None and self.ca_cert is None:
@@ -144,6 +187,49 @@ class KeyValue:
     lease_id: int
 
 
+class _DeadlineClient(etcd3.MultiEndpointEtcd3Client):
+    """The library's client, whose per-call timeout honours this thread's ``deadline``.
+
+    The library reads ``self.timeout`` at every call; a property reading a context
+    variable makes that per thread, so one client serves every thread.
+    """
+
+    @property
+    def timeout(self) -> float | None:
+        left = _time_left()
+        if left is None:
+            return self._base_timeout
+        return max(min(self._base_timeout or left, left), _MIN_ATTEMPT_S)
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        self._base_timeout = value
+
+    def get_watcher(self) -> Any:
+        # A watcher lives on after the call that created it: never give it a
+        # cycle's short deadline.
+        token = _DEADLINE.set(None)
+        try:
+            return super().get_watcher()
+        finally:
+            _DEADLINE.reset(token)
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """One change seen by a watch: ``deleted`` or put with its new ``value``."""
+
+    key: str
+    value: bytes
+    mod_revision: int
+    deleted: bool
+
+
+def _watch_event(event: Any) -> WatchEvent:
+    return WatchEvent(event.key.decode(), bytes(event.value), int(event.mod_revision),
+                      isinstance(event, etcd3.events.DeleteEvent))
+
+
 class EtcdClient:
     """A small, typed, exception-translating view of an etcd v3 cluster."""
 
@@ -161,8 +247,11 @@ class EtcdClient:
                            time_retry=_ENDPOINT_RETRY_S)
             for e in self.settings.endpoints
         ]
+        if self.settings.user is not None and not self.settings.secure:
+            log.warning("etcd user/password over plaintext: anyone on the path can read them; "
+                        "set ca_cert (TLS) in production", endpoints=self.settings.describe())
         with self._translated():
-            client = etcd3.MultiEndpointEtcd3Client(
+            client = _DeadlineClient(
                 endpoints=endpoints, timeout=self.settings.timeout_s,
                 user=self.settings.user, password=self.settings.password, failover=True,
             )
@@ -184,8 +273,10 @@ class EtcdClient:
         except grpc.RpcError as exc:
             raise self._translate_rpc(exc) from exc
         except ValueError as exc:
-            # The client raises ValueError when every endpoint is marked failed.
-            if "failed" in str(exc).lower() or "endpoint" in str(exc).lower():
+            # The client raises ValueError when every endpoint is marked failed, and
+            # grpc when a channel was closed under a call (client shutdown).
+            text = str(exc).lower()
+            if "failed" in text or "endpoint" in text or "closed channel" in text:
                 raise EtcdUnavailable(self._unavailable_message(exc)) from exc
             raise
 
@@ -212,11 +303,19 @@ class EtcdClient:
         return EtcdError(f"etcd error {code}: {details}")
 
     def _with_retry(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn``, retrying transient unavailability for at most ``retry_s`` seconds."""
+        """Run ``fn``, retrying transient unavailability for at most ``retry_s`` seconds
+        (and never past this thread's ``deadline``)."""
+        budget = 0.0 if _NO_RETRY.get() else self.settings.retry_s
+        left = _time_left()
+        if left is not None:
+            if left <= 0:
+                raise EtcdUnavailable(f"the caller's etcd deadline passed (endpoints "
+                                      f"{self.settings.describe()})")
+            budget = min(budget, left)
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(EtcdUnavailable),
             wait=tenacity.wait_exponential_jitter(multiplier=0.05, max=1.0, jitter=0.1),
-            stop=tenacity.stop_after_delay(0 if _NO_RETRY.get() else self.settings.retry_s),
+            stop=tenacity.stop_after_delay(budget),
             reraise=True,
         )
         return retrying(fn)
@@ -230,15 +329,32 @@ class EtcdClient:
                 # An etcd restart invalidates simple auth tokens: authenticate again once.
                 if self.settings.user is None:
                     raise
-                self._reconnect()
+                self._authenticate()
                 with self._translated():
                     return op(self._client)
         return self._with_retry(attempt)
 
-    def _reconnect(self) -> None:
-        with self._lock:
-            old, self._client = self._client, self._connect()
-        old.close()
+    def _authenticate(self) -> None:
+        """Get a fresh auth token on the same client.
+
+        Replacing (and closing) the client here would pull the channel from under
+        other threads' calls ("Cannot invoke RPC on closed channel").
+        """
+        with self._lock, self._translated():
+            client = self._client
+            response = client.authstub.Authenticate(
+                etcd3.etcdrpc.AuthenticateRequest(name=self.settings.user,
+                                                  password=self.settings.password),
+                client.timeout)
+            client.metadata = (("token", response.token),)
+            if self.settings.secure:
+                client.call_credentials = grpc.metadata_call_credentials(
+                    EtcdTokenCallCredentials(response.token))
+            # The cached watcher holds the old token: new watches get a new one.
+            old_watcher = client._stubs.pop("watcher", None)
+        if old_watcher is not None:
+            with contextlib.suppress(Exception):
+                old_watcher.close()
 
     def close(self) -> None:
         self._client.close()
@@ -280,10 +396,6 @@ class EtcdClient:
     def put(self, key: str, value: bytes, lease: int | None = None) -> None:
         self._call(lambda c: c.put(key, value, lease=lease))
 
-    def create(self, key: str, value: bytes, lease: int | None = None) -> bool:
-        """Put ``key`` only if it does not exist; True if this call created it."""
-        return self.put_or_create(key, value, None, lease)[0]
-
     def put_or_create(self, key: str, value: bytes, expected: int | None,
                       lease: int | None = None) -> tuple[bool, KeyValue | None]:
         """Compare-and-set fenced on the key's mod_revision.
@@ -307,10 +419,6 @@ class EtcdClient:
     def delete_if_revision(self, key: str, mod_revision: int) -> bool:
         ok, _ = self._txn([_tx().mod(key) == mod_revision], [_tx().delete(key)], [])
         return ok
-
-    def delete_prefix(self, prefix: str) -> int:
-        response = self._call(lambda c: c.delete_prefix(prefix))
-        return int(response.deleted)
 
     def _txn(self, compare: list, success: list, failure: list) -> tuple[bool, list]:
         return self._call(lambda c: c.transaction(compare=compare, success=success, failure=failure))
@@ -356,18 +464,26 @@ class EtcdClient:
             self._cancel_watch(watch_id)
         return not isinstance(item, Exception)
 
-    def watch_prefix(self, prefix: str, callback: Callable[[Any], None],
+    def watch_prefix(self, prefix: str, callback: Callable[[list[WatchEvent] | EtcdError], None],
                      start_revision: int | None = None) -> Callable[[], None]:
-        """Call ``callback`` with each watch response (or exception) under ``prefix``.
+        """Call ``callback`` with each batch of ``WatchEvent`` under ``prefix``, or with an
+        ``EtcdError`` when the stream broke (the watch is then dead: re-list and watch again).
 
         Returns a function that cancels the watch. The callback runs on the
-        client's watch thread: keep it short (put on a queue).
+        client's watch thread: keep it short.
         """
         range_end = etcd_utils.prefix_range_end(etcd_utils.to_bytes(prefix))
         kwargs: dict[str, Any] = {"range_end": range_end}
         if start_revision is not None:
             kwargs["start_revision"] = start_revision
-        watch_id = self._call(lambda c: c.add_watch_callback(prefix, callback, **kwargs))
+
+        def typed(response: Any) -> None:
+            if isinstance(response, Exception):
+                callback(EtcdUnavailable(f"etcd watch on {prefix} broke: {response!r}"))
+                return
+            callback([_watch_event(e) for e in response.events])
+
+        watch_id = self._call(lambda c: c.add_watch_callback(prefix, typed, **kwargs))
         return lambda: self._cancel_watch(watch_id)
 
     def _cancel_watch(self, watch_id: Any) -> None:

@@ -2,13 +2,22 @@
 
 ``/elasticd/<job>/nodes/<node-id>`` holds a JSON record attached to the node's
 lease. When a node dies or goes silent its key vanishes after the TTL, and every
-other daemon sees the deletion through its watch. The view is also re-listed
-periodically and after any watch error, so a broken stream (an etcd restart)
-never leaves a daemon blind.
+other daemon sees the deletion through its watch. The view is re-listed only
+when the watch broke (an etcd restart, a compaction): a healthy watch is never
+re-created.
 
-Thread model: the watch callback only sets a flag and records deletions; the
-daemon's main loop calls ``poll()`` to apply them, so all decisions happen on
-one thread.
+This node's record is what ``update`` last asked for: a write that fails (etcd
+down, the cycle's deadline passed) leaves the record dirty, and ``poll``
+republishes it until etcd has it, so peers never act on a stale state (a lost
+``leaving`` would make a drained node look crashed).
+
+Every record read is validated (``parse_record``): a value that is not a JSON
+object of the expected types is treated as absent, with one warning naming the
+key, so a malformed or hostile value can neither crash the loop nor the prober.
+
+Thread model: the watch callback (the client's watch thread) applies events
+under a lock; the daemon's main loop calls ``poll()`` and reads ``peers()`` and
+``take_departed()``, so all decisions happen on one thread.
 """
 
 from __future__ import annotations
@@ -22,29 +31,77 @@ from typing import Any
 import structlog
 
 from elasticd.errors import EtcdError
-from elasticd.etcd_client import EtcdClient, no_retry
+from elasticd.etcd_client import EtcdClient, KeyValue, WatchEvent
 from elasticd.lease import LeaseKeeper
 from elasticd.rendezvous.keys import JobKeys
+from elasticd.supervisor import PeerView
 
 log = structlog.get_logger(__name__)
 
-RESYNC_EVERY_S = 5.0
+_STATES = frozenset({"starting", "running", "backoff", "leaving", "completed", "failed"})
 
 
 @dataclass(frozen=True)
 class Peer:
+    """A validated node record."""
+
     node_id: str
     record: dict[str, Any]
     mod_revision: int
 
     @property
     def state(self) -> str:
-        return str(self.record.get("state", "unknown"))
+        return self.record["state"]
+
+    @property
+    def probe(self) -> str | None:
+        return self.record.get("probe")
 
     @property
     def agent(self) -> tuple[str, int] | None:
         pid = self.record.get("agent_pid")
-        return (self.record.get("addr", ""), int(pid)) if pid else None
+        return (self.record.get("addr", ""), pid) if pid else None
+
+    def view(self) -> PeerView:
+        return PeerView(self.node_id, self.state, self.agent, self.mod_revision, self.probe)
+
+
+def parse_record(node_id: str, value: bytes, mod_revision: int) -> Peer | None:
+    """A ``Peer`` if ``value`` is a well-formed node record, else None (with the reason logged)."""
+    try:
+        record = json.loads(value)
+    except (ValueError, TypeError):
+        record, problem = None, "not JSON"
+    else:
+        problem = _record_problem(record)
+    if problem is not None:
+        log.warning("ignoring a malformed node record", key=f"nodes/{node_id}", problem=problem)
+        return None
+    record.setdefault("state", "starting")
+    return Peer(node_id, record, mod_revision)
+
+
+def _record_problem(record: Any) -> str | None:
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    state = record.get("state", "starting")
+    if state not in _STATES:
+        return f"state {state!r} is not one of {sorted(_STATES)}"
+    pid = record.get("agent_pid")
+    if pid is not None and (type(pid) is not int or pid <= 0):
+        return f"agent_pid {pid!r} is not a positive whole number"
+    for name in ("addr", "probe", "host"):
+        if name in record and not isinstance(record[name], str):
+            return f"{name} {record[name]!r} is not a string"
+    probe = record.get("probe")
+    if probe is not None and not _is_endpoint(probe):
+        return f"probe {probe!r} is not HOST:PORT"
+    return None
+
+
+def _is_endpoint(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
 class Membership:
@@ -54,46 +111,63 @@ class Membership:
         self._keys = keys
         self.node_id = node_id
         self._record = dict(record, node_id=node_id)
+        self._dirty = True
         self._lease = LeaseKeeper(client, ttl_s, on_renewed=self._reattach, name="node")
         self._clock = clock
         self._lock = threading.Lock()
         self._peers: dict[str, Peer] = {}
         self._departed: list[Peer] = []
         self._needs_resync = True
-        self._last_resync = float("-inf")
         self._cancel_watch = None
         self._view_revision = 0   # events at or below it are already in the view
         self.etcd_ok = True
+        self.resyncs = 0          # watch (re)creations: once, plus once per broken stream
 
     # -- this node ---------------------------------------------------------------------
 
     def register(self) -> None:
         """Grant the lease, publish the record, start watching the others."""
         self._lease.start()
-        self._put_record()
+        self._publish()
         self.resync()
 
     def update(self, **fields: Any) -> None:
-        """Change fields of this node's record; a failed write is retried by ``poll``."""
-        self._record.update(fields)
-        try:
-            with no_retry():
-                self._put_record()
-        except EtcdError:
-            self._needs_resync = True  # republished by the next successful resync
+        """Change fields of this node's record; a failed write is republished by ``poll``."""
+        with self._lock:
+            self._record.update(fields)
+            self._dirty = True
+        self._publish_best_effort()
 
     @property
     def record(self) -> dict[str, Any]:
-        return dict(self._record)
+        with self._lock:
+            return dict(self._record)
 
-    def _put_record(self) -> None:
-        self._record["updated"] = time.time()
-        self._client.put(self._keys.node(self.node_id), json.dumps(self._record).encode(),
-                         lease=self._lease.id)
+    @property
+    def dirty(self) -> bool:
+        """True while etcd may hold an older record than the last ``update``."""
+        return self._dirty
+
+    def _publish(self) -> None:
+        with self._lock:
+            self._record["updated"] = time.time()
+            value = json.dumps(self._record).encode()
+            self._dirty = True
+        self._client.put(self._keys.node(self.node_id), value, lease=self._lease.id)
+        with self._lock:
+            if json.loads(value) == self._record:
+                self._dirty = False
+
+    def _publish_best_effort(self) -> None:
+        try:
+            self._publish()
+        except EtcdError as exc:
+            log.info("node record not written yet; republishing when etcd answers",
+                     node=self.node_id, reason=str(exc))
 
     def _reattach(self, lease_id: int) -> None:
         log.warning("node lease was lost; re-registering", node=self.node_id, lease=lease_id)
-        self._put_record()
+        self._publish_best_effort()
 
     def leave(self) -> None:
         """Delete this node's record and revoke its lease (clean departure)."""
@@ -118,15 +192,15 @@ class Membership:
         return departed
 
     def poll(self) -> None:
-        """Apply watch news; re-list when the watch broke or periodically."""
-        due = self._clock() - self._last_resync >= RESYNC_EVERY_S
-        if self._needs_resync or due:
+        """Republish a dirty record; re-list and watch again if the watch broke."""
+        if self._dirty:
+            self._publish_best_effort()
+        if self._needs_resync:
             self.resync()
 
     def resync(self) -> None:
         try:
-            with no_retry():
-                self._resync()
+            self._resync()
             self._set_etcd_ok(True)
         except EtcdError as exc:
             self._needs_resync = True
@@ -135,53 +209,51 @@ class Membership:
     def _resync(self) -> None:
         mine = self._client.get(self._keys.node(self.node_id))
         if mine is None or mine.lease_id != self._lease.id:
-            self._put_record()
+            self._publish()
         kvs, revision = self._client.list_prefix(self._keys.nodes)
         current = {p.node_id: p for p in map(self._peer, kvs) if p and p.node_id != self.node_id}
+        if self._cancel_watch is not None:
+            self._cancel_watch()
         with self._lock:
             for node_id in set(self._peers) - set(current):
                 self._departed.append(self._peers[node_id])
             self._peers = current
             self._view_revision = revision
-        self._restart_watch(revision)
-        self._needs_resync = False
-        self._last_resync = self._clock()
-
-    def _restart_watch(self, revision: int) -> None:
-        if self._cancel_watch is not None:
-            self._cancel_watch()
+            self._needs_resync = False
         self._cancel_watch = self._client.watch_prefix(self._keys.nodes, self._on_watch,
                                                        start_revision=revision + 1)
+        self.resyncs += 1
 
-    def _on_watch(self, response: Any) -> None:
-        if isinstance(response, Exception):
+    def _on_watch(self, news: list[WatchEvent] | EtcdError) -> None:
+        if isinstance(news, EtcdError):
             self._needs_resync = True
             return
         with self._lock:
-            for event in response.events:
+            for event in news:
                 self._apply(event)
 
-    def _apply(self, event: Any) -> None:
-        node_id = event.key.decode().rsplit("/", 1)[-1]
+    def _apply(self, event: WatchEvent) -> None:
+        node_id = event.key.rsplit("/", 1)[-1]
         if node_id == self.node_id or event.mod_revision <= self._view_revision:
             return
-        if type(event).__name__ == "DeleteEvent":
+        if event.deleted:
             gone = self._peers.pop(node_id, None)
             if gone is not None:
                 self._departed.append(gone)
             return
-        peer = _parse(node_id, event.value, event.mod_revision)
+        peer = parse_record(node_id, event.value, event.mod_revision)
         if peer is not None:
             self._peers[node_id] = peer
 
-    def _peer(self, kv: Any) -> Peer | None:
-        return _parse(kv.key.rsplit("/", 1)[-1], kv.value, kv.mod_revision)
+    def _peer(self, kv: KeyValue) -> Peer | None:
+        return parse_record(kv.key.rsplit("/", 1)[-1], kv.value, kv.mod_revision)
 
-    def delete_peer(self, peer: Peer) -> bool:
+    def delete_peer(self, peer: PeerView) -> bool:
         """Fenced delete of a dead peer's record, so every daemon sees one event."""
         try:
             return self._client.delete_if_revision(self._keys.node(peer.node_id), peer.mod_revision)
-        except EtcdError:
+        except EtcdError as exc:
+            log.info("could not delete a dead peer's record yet", peer=peer.node_id, reason=str(exc))
             return False
 
     def _set_etcd_ok(self, ok: bool, reason: str = "") -> None:
@@ -193,12 +265,3 @@ class Membership:
         else:
             log.warning("etcd unreachable; membership frozen, training continues",
                         node=self.node_id, reason=reason)
-
-
-def _parse(node_id: str, value: bytes, mod_revision: int) -> Peer | None:
-    try:
-        record = json.loads(value)
-    except (ValueError, TypeError):
-        log.warning("ignoring a node record that is not JSON", node=node_id)
-        return None
-    return Peer(node_id, record, mod_revision)

@@ -22,8 +22,8 @@ class Metrics:
         self.agent_starts = Counter("elasticd_agent_starts", "torchrun agent starts", registry=r)
         self.worker_restarts = Counter("elasticd_worker_restarts", "Worker-group restarts by cause",
                                        ["cause"], registry=r)
-        self.evictions = Counter("elasticd_peer_evictions", "Peers evicted from the rendezvous",
-                                 registry=r)
+        self.evictions = Counter("elasticd_peer_evictions", "Peers evicted from the rendezvous, "
+                                 "by how they went (crashed, silent, left)", ["how"], registry=r)
 
     def serve(self, addr: str, port: int) -> None:
         start_http_server(port, addr=addr, registry=self.registry)

@@ -14,6 +14,9 @@ import contextlib
 import enum
 import socket
 import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import structlog
 
@@ -79,17 +82,24 @@ def probe(endpoint: str, timeout_s: float = 1.0) -> Liveness:
 class Prober:
     """Probes every peer each ``interval_s`` from a thread; collects those refused.
 
-    Only REFUSED is acted on (a crashed daemon, certain and immediate); a SILENT
-    peer is left to its lease, because slowness is not death.
+    Only REFUSED is acted on at once (a crashed daemon: certain and immediate); a
+    SILENT peer is left to its lease, because slowness is not death. Probes run
+    concurrently, so a few silent peers never delay the others by their timeouts.
+    ``confirm`` probes one vanished peer off the caller's thread; its answer is
+    collected with ``take_confirmations``.
     """
 
-    def __init__(self, peers, interval_s: float, timeout_s: float = 0.3) -> None:
-        self._peers = peers       # () -> dict[node_id, Peer]
+    def __init__(self, peers: Callable[[], Mapping[str, Any]], interval_s: float,
+                 timeout_s: float = 0.3, confirm_timeout_s: float = 0.5) -> None:
+        self._peers = peers       # () -> {node_id: membership.Peer}
         self._interval_s = interval_s
         self._timeout_s = timeout_s
-        self._refused: dict[str, object] = {}
+        self._confirm_timeout_s = confirm_timeout_s
+        self._refused: dict[str, Any] = {}
+        self._confirmed: dict[str, str] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="elasticd-probe")
         self._thread = threading.Thread(target=self._run, name="elasticd-prober", daemon=True)
 
     def start(self) -> Prober:
@@ -98,17 +108,41 @@ class Prober:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
-            for node_id, peer in self._peers().items():
-                endpoint = peer.record.get("probe")
-                if endpoint and probe(endpoint, self._timeout_s) is Liveness.REFUSED:
-                    with self._lock:
-                        self._refused[node_id] = peer
+            peers = [p for p in self._peers().values() if p.probe]
+            try:
+                answers = list(self._pool.map(lambda p: probe(p.probe, self._timeout_s), peers))
+            except RuntimeError:
+                return  # the pool was shut down: we are stopping
+            with self._lock:
+                for peer, liveness in zip(peers, answers, strict=True):
+                    if liveness is Liveness.REFUSED:
+                        self._refused[peer.node_id] = peer
 
-    def take_refused(self) -> list:
+    def confirm(self, node_id: str, endpoint: str | None) -> None:
+        """Probe a peer once more in the background (no endpoint: it counts as refused)."""
+        if endpoint is None:
+            with self._lock:
+                self._confirmed[node_id] = Liveness.REFUSED.value
+            return
+
+        def run() -> None:
+            answer = probe(endpoint, self._confirm_timeout_s)
+            with self._lock:
+                self._confirmed[node_id] = answer.value
+        with contextlib.suppress(RuntimeError):
+            self._pool.submit(run)
+
+    def take_refused(self) -> list[Any]:
         with self._lock:
             refused, self._refused = list(self._refused.values()), {}
         return refused
 
+    def take_confirmations(self) -> dict[str, str]:
+        with self._lock:
+            confirmed, self._confirmed = self._confirmed, {}
+        return confirmed
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,24 +1,36 @@
-"""The daemon's decisions: one pure function from a snapshot to one action.
+"""The daemon's decisions: one pure function from what it saw to what it does next.
 
-The daemon's loop reads a ``View`` (agent, etcd, peers, signals), calls
-``decide`` and executes the returned ``Decision``, then logs its ``reason``:
-one sentence per decision. Nothing here does I/O, so every transition is
-unit-tested without processes or network.
+Each cycle the daemon reads a ``Snapshot`` (its agent and workers, the progress
+file, the etcd view, probe news, signals), and calls
+``decide(snapshot, memory, policy)``. The result is the next ``Memory`` (the
+daemon's own state across cycles: phase, timers, counters), the ``Action`` list
+to execute and one sentence saying why. Nothing here does I/O or reads a clock,
+so every rule, timers included, is unit-tested without processes or network
+(``tests/daemon/test_supervisor.py``).
 
-Phases and their edges::
+A cycle first does the bookkeeping that every phase needs (progress and the
+crash counter, worker restarts and their cause, peer news: refused probes,
+vanished records, confirmations, eviction outcomes, kills due), then applies
+the first matching phase rule. Phases and their edges::
 
     IDLE ──start──▶ RUNNING ──exit 0──▶ COMPLETED
       ▲                │ └──exit ≠ 0──▶ BACKOFF ──delay over──▶ (start) RUNNING
       │                │                   └──crash loop──▶ FAILED
-      │                └──dead peer──▶ RUNNING (evict it, restart local workers)
+      │                ├──dead peer──▶ RUNNING (evict it; kill the old world's workers)
+      │                └──training hang──▶ RUNNING (kill our workers: a crash)
     any non-final ──drain──▶ DRAINING ──agent gone──▶ STOPPED
     any non-final ──job completed elsewhere, agent gone──▶ COMPLETED
+    any non-final ──second stop signal──▶ STOPPED (hard)
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+import statistics
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
 
 
 class Phase(enum.Enum):
@@ -35,155 +47,515 @@ class Phase(enum.Enum):
         return self in (Phase.COMPLETED, Phase.FAILED, Phase.STOPPED)
 
 
-class Action(enum.Enum):
-    NONE = "none"
+class Kind(enum.Enum):
+    """Every action the daemon can take; ``daemon.ACTIONS`` maps each to its executor."""
+
     START_AGENT = "start_agent"
-    EVICT_PEERS = "evict_peers"
-    BACKOFF = "backoff"
-    MARK_FAILED = "mark_failed"
-    RECORD_COMPLETED = "record_completed"
-    STOP_COMPLETED = "stop_completed"
-    DRAIN = "drain"
-    FINISH_DRAIN = "finish_drain"
+    TERMINATE_AGENT = "terminate_agent"        # SIGTERM the agent's tree (drain)
+    KILL_AGENT = "kill_agent"                  # SIGKILL the agent's tree
+    KILL_WORKERS = "kill_workers"              # data: pids
+    DELETE_PEER = "delete_peer"                # fenced delete of a refused peer's record; data: peer
+    CONFIRM_PEER = "confirm_peer"              # probe a vanished peer once, off the loop; data: peer
+    EVICT = "evict"                            # remove dead peers' agents from the rendezvous; data: peers
+    LEAVE_RENDEZVOUS = "leave_rendezvous"      # remove our own agent
+    REOPEN_RENDEZVOUS = "reopen_rendezvous"    # a closed rendezvous of an unfinished job
+    PUBLISH = "publish"                        # fields of this node's record; data: fields
+    JOURNAL = "journal"                        # data: event, fields
+    COUNT = "count"                            # a metric; data: metric, label
+    MARK_COMPLETED = "mark_completed"          # the job's /state = completed
+    PUBLISH_CHECKPOINT = "publish_checkpoint"  # data: step
+    TOUCH_STOP_FILE = "touch_stop_file"        # the workers' coordinated-stop flag
+    DELETE_DRAIN_KEY = "delete_drain_key"
+    NOTIFY = "notify"                          # systemd; data: what (ready | stopping)
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: Kind
+    data: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def __getitem__(self, key: str) -> Any:
+        return self.data[key]
+
+
+def act(kind: Kind, **data: Any) -> Action:
+    return Action(kind, MappingProxyType(data))
 
 
 @dataclass(frozen=True)
 class Policy:
+    """Every tunable of the decisions (from ``[supervisor]``; see config.py)."""
+
     backoff_initial_s: float = 1.0
     backoff_max_s: float = 60.0
     crash_loop_failures: int = 5
     crash_loop_window_s: float = 600.0
     completion_grace_s: float = 30.0
+    # After a crashed (or departed) peer gloo fails our workers within ~0.1 s and rank 0
+    # commits the last completed step; killing them at once raced that save (measured:
+    # 17 steps lost). A silent peer leaves them hung in a collective: killed at once.
+    kill_grace_s: float = 2.0
+    # A worker restart this soon after a membership change is caused by it, not a crash.
+    membership_window_s: float = 15.0
+    # A vanished peer whose confirmation probe has not come back by then is silent.
+    confirm_timeout_s: float = 1.5
+    drain_grace_s: float = 60.0
+    # A preemption notice's deadline minus this is the latest the drain may take.
+    notice_margin_s: float = 5.0
+    # Training hang: no step for max(hang_floor_s, hang_factor x median step time), or
+    # hang_timeout_s when set (> 0).
+    hang_timeout_s: float = 0.0
+    hang_floor_s: float = 120.0
+    hang_factor: float = 20.0
 
 
 @dataclass(frozen=True)
-class View:
+class PeerView:
+    """A peer's record as last seen (validated by membership; see ``Peer``)."""
+
+    node_id: str
+    state: str = "running"
+    agent: tuple[str, int] | None = None
+    mod_revision: int = 0
+    probe: str | None = None               # HOST:PORT of its liveness probe
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """What the last EVICT did.
+
+    ``ok`` False: etcd did not answer (retry). ``in_round``: whether an agent we
+    removed was in the current round; None when we removed nothing (another daemon
+    was first), so the peer's last record has to tell.
+    """
+
+    peers: tuple[str, ...]
+    ok: bool
+    in_round: bool | None = None
+
+
+@dataclass(frozen=True)
+class Snapshot:
     """Everything one decision may look at, read once per cycle."""
 
     now: float
-    phase: Phase
-    agent_running: bool = False
-    agent_exit: int | None = None          # set once, in the cycle the agent was seen to exit
-    job_state: str | None = None           # etcd: running | completed | failed
-    completed_seen_at: float | None = None  # when this node first saw job_state completed
+    agent_pid: int | None = None           # the current agent process, running or exited
+    agent_exit: int | None = None          # its exit code once it has exited
+    workers: frozenset[int] = frozenset()  # the agent's worker pids
+    step: int | None = None                # progress file: last completed step ...
+    progress_event: str | None = None      # ... and its event (step, checkpoint, stopped, ...)
+    job_state: str | None = None           # etcd: running | completed
+    drain_request: str | None = None       # why a drain was asked (signal, `elasticd drain`, notice)
+    notice_deadline: float | None = None   # when a preemption notice says the node is taken
+    stop_signals: int = 0                  # SIGTERM/SIGINT received so far
+    rdzv_closed: bool = False              # torch marked the rendezvous closed
+    peers: Mapping[str, PeerView] = field(default_factory=dict)
+    refused: tuple[PeerView, ...] = ()     # peers whose liveness probe was refused
+    departed: tuple[PeerView, ...] = ()    # peers whose record vanished
+    confirmations: Mapping[str, str] = field(default_factory=dict)  # node -> alive|refused|silent
+    eviction: Eviction | None = None
+    checkpoint_step: int | None = None     # newest committed checkpoint (background scan)
+
+
+@dataclass(frozen=True)
+class Death:
+    peer: PeerView
+    how: str          # left | crashed | silent
+    attempts: int = 0  # evictions tried (etcd may be down)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """The daemon's state across cycles; ``decide`` returns the next one."""
+
+    phase: Phase = Phase.IDLE
+    failures: tuple[float, ...] = ()       # crash times since the last progress
     restart_at: float = 0.0                # end of the current backoff
-    failures: tuple[float, ...] = ()       # crash times (agent or workers) since the last progress
-    dead_peers: tuple[str, ...] = ()
+    membership_changed_at: float = float("-inf")
+    peers_seen: frozenset[str] = frozenset()
+    suspects: Mapping[str, tuple[PeerView, float]] = field(default_factory=dict)
+    dead: Mapping[str, Death] = field(default_factory=dict)      # to evict
+    evicting: Mapping[str, Death] = field(default_factory=dict)  # EVICT sent, outcome pending
+    kill_at: float | None = None           # crashed peer: kill the old world's workers then ...
+    kill_pids: frozenset[int] = frozenset()  # ... if these are still alive
+    agent_pid: int | None = None           # the agent whose exit was handled is not re-handled
+    exit_handled: bool = False
+    workers: frozenset[int] = frozenset()
+    step_at_start: int | None = None       # step when the agent (re)started
+    step: int | None = None
+    step_at: float | None = None           # when the current workers last advanced the step
+    intervals: tuple[float, ...] = ()      # recent step intervals (hang bound)
     drain_reason: str | None = None
+    drain_deadline: float | None = None
+    left_rdzv: bool = False
+    evict_at: float = 0.0                  # earliest retry of a failed eviction
+    reopen_at: float = 0.0                 # earliest retry of a reopen
+    completed_seen_at: float | None = None
+    published_checkpoint: int | None = None
+    ready_sent: bool = False
+    hard_stop: bool = False
 
 
 @dataclass(frozen=True)
 class Decision:
-    action: Action
-    phase: Phase
-    reason: str
-    delay_s: float = 0.0
-    peers: tuple[str, ...] = field(default=())
+    memory: Memory
+    actions: tuple[Action, ...] = ()
+    reason: str = ""
+
+    @property
+    def phase(self) -> Phase:
+        return self.memory.phase
+
+    def kinds(self) -> list[Kind]:
+        return [a.kind for a in self.actions]
 
 
-def decide(view: View, policy: Policy) -> Decision:
-    """The single decision for this cycle; first matching rule wins."""
+# A bookkeeping step or a phase rule: (snapshot, memory, policy) -> (memory, actions, sentence).
+Step = Callable[[Snapshot, Memory, Policy], tuple[Memory, list[Action], str]]
+Rule = Callable[[Snapshot, Memory, Policy], "tuple[Memory, list[Action], str] | None"]
+
+
+def decide(snap: Snapshot, mem: Memory, policy: Policy) -> Decision:
+    """The next memory, the actions of this cycle and one sentence saying why."""
+    if mem.phase.final:
+        return Decision(mem)
+    actions: list[Action] = []
+    notes: list[str] = []
+    for step in _BOOKKEEPING:
+        mem, more, note = step(snap, mem, policy)
+        actions += more
+        if note:
+            notes.append(note)
     for rule in _RULES:
-        decision = rule(view, policy)
-        if decision is not None:
-            return decision
-    return Decision(Action.NONE, view.phase, f"{view.phase.value}: nothing to do")
+        out = rule(snap, mem, policy)
+        if out is not None:
+            mem, more, note = out
+            actions += more
+            if note:
+                notes.append(note)
+            break
+    return Decision(mem, tuple(actions), "; ".join(notes))
 
 
-def _final(view: View, policy: Policy) -> Decision | None:
-    if view.phase.final:
-        return Decision(Action.NONE, view.phase, f"{view.phase.value}: the daemon is done")
-    return None
+# -- bookkeeping -----------------------------------------------------------------------
 
 
-def _draining(view: View, policy: Policy) -> Decision | None:
-    if view.phase is Phase.DRAINING:
-        if view.agent_running:
-            return Decision(Action.NONE, Phase.DRAINING, "draining: waiting for the agent to stop")
-        return Decision(Action.FINISH_DRAIN, Phase.STOPPED,
-                        "the agent stopped; leaving the job and exiting")
-    if view.drain_reason is not None:
-        return Decision(Action.DRAIN, Phase.DRAINING, f"draining because {view.drain_reason}")
-    return None
+def _progress(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:
+    """Track the step; progress past the step at the last start ends a crash loop."""
+    if snap.step is None or snap.step == mem.step:
+        return mem, [], ""
+    intervals = mem.intervals
+    if mem.step_at is not None:
+        intervals = (*intervals, snap.now - mem.step_at)[-20:]
+    cleared = (mem.failures and mem.step_at_start is not None and snap.step > mem.step_at_start)
+    mem = replace(mem, step=snap.step, step_at=snap.now, intervals=intervals,
+                  failures=() if cleared else mem.failures)
+    return mem, [], "training progressed; the crash count is reset" if cleared else ""
 
 
-def _agent_exited(view: View, policy: Policy) -> Decision | None:
-    if view.agent_exit is None:
-        return None
-    if view.agent_exit == 0:
-        return Decision(Action.RECORD_COMPLETED, Phase.COMPLETED,
-                        "the training script finished; recording job completion")
-    if view.job_state == "completed":
-        return Decision(Action.NONE, Phase.COMPLETED,
-                        f"the agent exited {view.agent_exit} after the job completed elsewhere")
-    failures = [t for t in view.failures if view.now - t <= policy.crash_loop_window_s]
-    count = len(failures) + 1
-    if count >= policy.crash_loop_failures:
-        return Decision(Action.MARK_FAILED, Phase.FAILED,
-                        f"the agent failed {count} times without progress within "
-                        f"{policy.crash_loop_window_s:.0f} s (last exit code {view.agent_exit}); "
-                        "marking this node failed")
-    delay = min(policy.backoff_initial_s * 2 ** (count - 1), policy.backoff_max_s)
-    return Decision(Action.BACKOFF, Phase.BACKOFF,
-                    f"the agent exited with code {view.agent_exit} (failure {count} of "
-                    f"{policy.crash_loop_failures}); restarting it in {delay:.1f} s", delay_s=delay)
-
-
-def _worker_crash_loop(view: View, policy: Policy) -> Decision | None:
-    if view.phase is not Phase.RUNNING or not view.agent_running:
-        return None
-    recent = [t for t in view.failures if view.now - t <= policy.crash_loop_window_s]
-    if len(recent) < policy.crash_loop_failures:
-        return None
-    return Decision(Action.MARK_FAILED, Phase.FAILED,
-                    f"the workers crashed {len(recent)} times without progress within "
-                    f"{policy.crash_loop_window_s:.0f} s; marking this node failed")
-
-
-def restart_cause(now: float, last_membership_change: float, progress_event: str | None,
-                  window_s: float = 15.0) -> str:
+def restart_cause(now: float, membership_changed_at: float, progress_event: str | None,
+                  window_s: float) -> str:
     """Why the agent restarted its workers: ``membership`` (a peer left or joined, a drain,
     our own eviction) or ``crash``. Only crashes count against the restart budget."""
     if progress_event == "stopped":
         return "membership"   # a coordinated stop: someone is leaving or joining
-    if now - last_membership_change <= window_s:
+    if now - membership_changed_at <= window_s:
         return "membership"
     return "crash"
 
 
-def _job_completed(view: View, policy: Policy) -> Decision | None:
-    if view.job_state != "completed":
+def _worker_restarts(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:
+    """Notice the agent replacing its workers and classify why."""
+    if not snap.workers or snap.workers == mem.workers:
+        return mem, [], ""
+    restarted = bool(mem.workers)
+    # A new worker group steps from scratch: the hang timer waits for its first step.
+    mem = replace(mem, workers=snap.workers, step_at=None, step=snap.step)
+    if not restarted:
+        return mem, [], ""
+    cause = restart_cause(snap.now, mem.membership_changed_at, snap.progress_event,
+                          policy.membership_window_s)
+    if cause == "crash":
+        mem = replace(mem, failures=(*mem.failures, snap.now))
+    return mem, [act(Kind.JOURNAL, event="workers-restarted", fields={"cause": cause}),
+                 act(Kind.COUNT, metric="worker_restarts", label=cause)], \
+        f"the agent restarted its workers after a {cause}"
+
+
+def _peer_news(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:
+    """Refused probes, vanished records, confirmations and new peers."""
+    actions = [act(Kind.DELETE_PEER, peer=p) for p in snap.refused]
+    notes = [f"peer {p.node_id} refused its liveness probe" for p in snap.refused]
+    suspects = dict(mem.suspects)
+    dead = dict(mem.dead)
+    for peer in snap.departed:
+        if peer.state in ("leaving", "completed", "failed"):
+            dead[peer.node_id] = Death(peer, "left")
+        else:
+            suspects[peer.node_id] = (peer, snap.now)
+            actions.append(act(Kind.CONFIRM_PEER, peer=peer))
+    for node_id, (peer, since) in list(suspects.items()):
+        answer = snap.confirmations.get(node_id)
+        if answer is None and snap.now - since < policy.confirm_timeout_s:
+            continue
+        del suspects[node_id]
+        if answer == "alive":
+            notes.append(f"peer {node_id}'s record vanished but it answers; waiting for it to "
+                         "re-register")
+        else:
+            dead[node_id] = Death(peer, "crashed" if answer == "refused" else "silent")
+    seen = frozenset(snap.peers)
+    changed = snap.departed or (seen - mem.peers_seen)
+    mem = replace(mem, suspects=suspects, dead=dead, peers_seen=seen,
+                  membership_changed_at=snap.now if changed else mem.membership_changed_at)
+    return mem, actions, "; ".join(notes)
+
+
+def _eviction_outcome(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:
+    """After an EVICT: plan the kill of the old world's workers; retry a failed eviction."""
+    if snap.eviction is None or not mem.evicting:
+        return mem, [], ""
+    deaths = [mem.evicting[n] for n in snap.eviction.peers if n in mem.evicting]
+    evicting = {n: d for n, d in mem.evicting.items() if n not in snap.eviction.peers}
+    mem = replace(mem, evicting=evicting, membership_changed_at=snap.now)
+    first = [d for d in deaths if d.attempts == 1]
+    if not snap.eviction.ok:
+        # etcd did not answer: retry in a second. Our workers must not stay in a broken
+        # world meanwhile, so the kill is planned now all the same.
+        mem = replace(mem, dead={**mem.dead, **{d.peer.node_id: d for d in deaths}},
+                      evict_at=snap.now + 1.0)
+    if snap.eviction.ok and snap.eviction.in_round is not None:
+        in_round = snap.eviction.in_round and bool(first)
+    else:
+        # A peer whose agent was running was surely in our round.
+        in_round = any(d.peer.state == "running" and d.peer.agent for d in first)
+    if not in_round or not snap.workers or mem.phase is not Phase.RUNNING:
+        return mem, [], ""
+    if any(d.how == "silent" for d in first):
+        return mem, [act(Kind.KILL_WORKERS, pids=snap.workers)], \
+            "a silent peer leaves our workers hung in a collective; killing them now"
+    if mem.kill_at is None:
+        mem = replace(mem, kill_at=snap.now + policy.kill_grace_s, kill_pids=snap.workers)
+    return mem, [], ""
+
+
+def _kill_due(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:
+    """The grace after a crashed peer is over: kill workers still in the old world."""
+    if mem.kill_at is None or snap.now < mem.kill_at:
+        return mem, [], ""
+    stuck = mem.kill_pids & snap.workers
+    mem = replace(mem, kill_at=None, kill_pids=frozenset())
+    if not stuck:
+        return mem, [], ""
+    return mem, [act(Kind.KILL_WORKERS, pids=stuck)], \
+        f"killing {len(stuck)} worker(s) still in the old world after the {policy.kill_grace_s:.0f} s grace"
+
+
+def _checkpoint(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:
+    step = snap.checkpoint_step
+    if step is None or step == mem.published_checkpoint:
+        return mem, [], ""
+    return replace(mem, published_checkpoint=step), [act(Kind.PUBLISH_CHECKPOINT, step=step)], ""
+
+
+def _signals(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:
+    """A drain request is remembered once; its deadline is set when the drain starts."""
+    if snap.stop_signals >= 2 and not mem.hard_stop:
+        mem = replace(mem, hard_stop=True)
+    if snap.drain_request is not None and mem.drain_reason is None:
+        mem = replace(mem, drain_reason=snap.drain_request)
+    return mem, [], ""
+
+
+_BOOKKEEPING: tuple[Step, ...] = (_signals, _progress, _worker_restarts, _peer_news,
+                                  _eviction_outcome, _kill_due, _checkpoint)
+
+
+# -- phase rules (first match wins) ----------------------------------------------------
+
+
+def _hard_stop(snap: Snapshot, mem: Memory, policy: Policy):
+    if not mem.hard_stop:
         return None
-    if not view.agent_running:
-        return Decision(Action.NONE, Phase.COMPLETED, "the job completed; nothing left to run")
-    waited = view.now - (view.completed_seen_at or view.now)
+    return (replace(mem, phase=Phase.STOPPED), [act(Kind.KILL_AGENT)],
+            "a second stop signal arrived; stopping now without a checkpoint")
+
+
+def drain_grace(now: float, policy: Policy, notice_deadline: float | None) -> float:
+    """The drain's grace: ``drain_grace_s``, cut to the notice's deadline minus a margin."""
+    grace = policy.drain_grace_s
+    if notice_deadline is not None:
+        grace = min(grace, max(notice_deadline - now - policy.notice_margin_s, 1.0))
+    return grace
+
+
+def _drain(snap: Snapshot, mem: Memory, policy: Policy):
+    if mem.phase is Phase.DRAINING:
+        return _draining(snap, mem, policy)
+    if mem.drain_reason is None:
+        return None
+    grace = drain_grace(snap.now, policy, snap.notice_deadline)
+    mem = replace(mem, phase=Phase.DRAINING, drain_deadline=snap.now + grace)
+    actions = [act(Kind.PUBLISH, fields={"state": "leaving"}),
+               act(Kind.JOURNAL, event="node-draining", fields={"reason": mem.drain_reason,
+                                                                 "grace_s": round(grace, 1)}),
+               act(Kind.NOTIFY, what="stopping"), act(Kind.TOUCH_STOP_FILE)]
+    if _agent_running(snap):
+        actions.append(act(Kind.TERMINATE_AGENT))
+    return mem, actions, f"draining because {mem.drain_reason} (grace {grace:.0f} s)"
+
+
+def _draining(snap: Snapshot, mem: Memory, policy: Policy):
+    actions: list[Action] = []
+    if _agent_running(snap):
+        if not snap.workers and not mem.left_rdzv:
+            # Our workers are gone: leave the rendezvous now, not after the agent's own
+            # shutdown (waiting for it cost the others 1-2 s).
+            return replace(mem, left_rdzv=True), [act(Kind.LEAVE_RENDEZVOUS)], \
+                "our workers stopped; leaving the rendezvous"
+        if mem.drain_deadline is not None and snap.now >= mem.drain_deadline:
+            return replace(mem, drain_deadline=None), [act(Kind.KILL_AGENT)], \
+                "the drain grace is over; killing the agent"
+        return None
+    if not mem.left_rdzv:
+        actions.append(act(Kind.LEAVE_RENDEZVOUS))
+    actions += [act(Kind.JOURNAL, event="node-left", fields={"step": snap.step}),
+                act(Kind.DELETE_DRAIN_KEY)]
+    return (replace(mem, phase=Phase.STOPPED, left_rdzv=True), actions,
+            "the agent stopped; leaving the job and exiting")
+
+
+def _agent_running(snap: Snapshot) -> bool:
+    return snap.agent_pid is not None and snap.agent_exit is None
+
+
+def _agent_exited(snap: Snapshot, mem: Memory, policy: Policy):
+    if snap.agent_exit is None or mem.exit_handled:
+        return None
+    mem = replace(mem, exit_handled=True, workers=frozenset(), kill_at=None)
+    if snap.agent_exit == 0:
+        return (replace(mem, phase=Phase.COMPLETED),
+                [act(Kind.MARK_COMPLETED), act(Kind.PUBLISH, fields={"state": "completed",
+                                                                     "agent_pid": None}),
+                 act(Kind.JOURNAL, event="job-completed", fields={"step": snap.step})],
+                "the training script finished; recording job completion")
+    if snap.job_state == "completed":
+        return (replace(mem, phase=Phase.COMPLETED), [],
+                f"the agent exited {snap.agent_exit} after the job completed elsewhere")
+    failures = _recent(mem.failures, snap.now, policy)
+    count = len(failures) + 1
+    if count >= policy.crash_loop_failures:
+        return _mark_failed(mem, f"the agent failed {count} times without progress within "
+                                 f"{policy.crash_loop_window_s:.0f} s (last exit code "
+                                 f"{snap.agent_exit}); marking this node failed")
+    delay = min(policy.backoff_initial_s * 2 ** (count - 1), policy.backoff_max_s)
+    mem = replace(mem, phase=Phase.BACKOFF, failures=(*failures, snap.now),
+                  restart_at=snap.now + delay)
+    return (mem, [act(Kind.PUBLISH, fields={"state": "backoff", "agent_pid": None}),
+                  act(Kind.JOURNAL, event="agent-failed", fields={"exit_code": snap.agent_exit})],
+            f"the agent exited with code {snap.agent_exit} (failure {count} of "
+            f"{policy.crash_loop_failures}); restarting it in {delay:.1f} s")
+
+
+def _recent(times: tuple[float, ...], now: float, policy: Policy) -> tuple[float, ...]:
+    return tuple(t for t in times if now - t <= policy.crash_loop_window_s)
+
+
+def _mark_failed(mem: Memory, reason: str):
+    return (replace(mem, phase=Phase.FAILED),
+            [act(Kind.PUBLISH, fields={"state": "failed", "reason": reason, "agent_pid": None}),
+             act(Kind.JOURNAL, event="node-failed", fields={"reason": reason})], reason)
+
+
+def _job_completed(snap: Snapshot, mem: Memory, policy: Policy):
+    if snap.job_state != "completed":
+        return None
+    seen = mem.completed_seen_at if mem.completed_seen_at is not None else snap.now
+    mem = replace(mem, completed_seen_at=seen)
+    if not _agent_running(snap):
+        return replace(mem, phase=Phase.COMPLETED), [], "the job completed; nothing left to run"
+    waited = snap.now - seen
     if waited >= policy.completion_grace_s:
-        return Decision(Action.STOP_COMPLETED, Phase.COMPLETED,
-                        f"the job completed {waited:.0f} s ago but the agent still runs; stopping it")
-    return None
+        return (replace(mem, phase=Phase.COMPLETED), [act(Kind.KILL_AGENT)],
+                f"the job completed {waited:.0f} s ago but the agent still runs; stopping it")
+    return mem, [], ""
 
 
-def _dead_peers(view: View, policy: Policy) -> Decision | None:
-    if not view.dead_peers:
+def _reopen(snap: Snapshot, mem: Memory, policy: Policy):
+    """torch closes the rendezvous when an agent gives up; an unfinished job must go on."""
+    if not snap.rdzv_closed or snap.job_state == "completed" or snap.now < mem.reopen_at:
         return None
-    names = ", ".join(view.dead_peers)
-    if view.phase is Phase.RUNNING:
-        return Decision(Action.EVICT_PEERS, Phase.RUNNING,
-                        f"peer(s) {names} lost; evicting them from the rendezvous and restarting "
-                        "the local workers now", peers=view.dead_peers)
-    return Decision(Action.EVICT_PEERS, view.phase,
-                    f"peer(s) {names} lost; evicting them from the rendezvous", peers=view.dead_peers)
+    return (replace(mem, reopen_at=snap.now + 1.0), [act(Kind.REOPEN_RENDEZVOUS)],
+            "the rendezvous is closed but the job is not done; reopening it")
 
 
-def _start(view: View, policy: Policy) -> Decision | None:
-    if view.phase not in (Phase.IDLE, Phase.BACKOFF) or view.agent_running:
+def _dead_peers(snap: Snapshot, mem: Memory, policy: Policy):
+    if not mem.dead or snap.now < mem.evict_at:
         return None
-    if view.job_state == "failed":
-        return Decision(Action.NONE, Phase.FAILED, "the job is marked failed; not starting the agent")
-    if view.now < view.restart_at:
+    names = ", ".join(sorted(mem.dead))
+    first = sorted(n for n, d in mem.dead.items() if d.attempts == 0)
+    tried = {n: replace(d, attempts=d.attempts + 1) for n, d in mem.dead.items()}
+    mem = replace(mem, evicting={**mem.evicting, **tried}, dead={})
+    actions = [act(Kind.EVICT, peers=tuple(d.peer for d in tried.values()))]
+    actions += [act(Kind.JOURNAL, event="peer-lost", fields={"peer": n, "how": tried[n].how})
+                for n in first]
+    actions += [act(Kind.COUNT, metric="evictions", label=tried[n].how) for n in first]
+    if not first:
+        return mem, actions, f"retrying the eviction of peer(s) {names}"
+    tail = " and restarting the local workers" if mem.phase is Phase.RUNNING else ""
+    return mem, actions, f"peer(s) {names} lost; evicting them from the rendezvous{tail}"
+
+
+def hang_bound(policy: Policy, intervals: tuple[float, ...]) -> float:
+    """Seconds without a step that count as a hang."""
+    if policy.hang_timeout_s > 0:
+        return policy.hang_timeout_s
+    if not intervals:
+        return policy.hang_floor_s
+    return max(policy.hang_floor_s, policy.hang_factor * statistics.median(intervals))
+
+
+def _hang(snap: Snapshot, mem: Memory, policy: Policy):
+    if mem.phase is not Phase.RUNNING or not snap.workers or mem.step_at is None:
         return None
-    verb = "restarting" if view.phase is Phase.BACKOFF else "starting"
-    return Decision(Action.START_AGENT, Phase.RUNNING, f"{verb} the torchrun agent")
+    if mem.dead or mem.evicting or mem.suspects or mem.kill_at is not None:
+        return None  # a peer loss explains the stall
+    stalled = snap.now - mem.step_at
+    bound = hang_bound(policy, mem.intervals)
+    if stalled < bound:
+        return None
+    # No failure is counted here: the agent's restart of the killed workers is one.
+    mem = replace(mem, step_at=None)
+    reason = (f"training hung: no step for {stalled:.0f} s (bound {bound:.0f} s) while the "
+              "workers are alive; killing them to recover as from a crash")
+    return mem, [act(Kind.KILL_WORKERS, pids=snap.workers),
+                 act(Kind.JOURNAL, event="training-hang", fields={"stalled_s": round(stalled, 1),
+                                                                  "step": snap.step})], reason
 
 
-_RULES = (_final, _draining, _agent_exited, _job_completed, _dead_peers, _worker_crash_loop, _start)
+def _worker_crash_loop(snap: Snapshot, mem: Memory, policy: Policy):
+    if mem.phase is not Phase.RUNNING or not _agent_running(snap):
+        return None
+    recent = _recent(mem.failures, snap.now, policy)
+    if len(recent) < policy.crash_loop_failures:
+        return None
+    return _mark_failed(mem, f"the workers crashed {len(recent)} times without progress within "
+                             f"{policy.crash_loop_window_s:.0f} s; marking this node failed")
+
+
+def _start(snap: Snapshot, mem: Memory, policy: Policy):
+    if mem.phase not in (Phase.IDLE, Phase.BACKOFF) or _agent_running(snap):
+        return None
+    if snap.now < mem.restart_at:
+        return None
+    verb = "restarting" if mem.phase is Phase.BACKOFF else "starting"
+    actions = [act(Kind.START_AGENT)]
+    if not mem.ready_sent:
+        actions.append(act(Kind.NOTIFY, what="ready"))
+    mem = replace(mem, phase=Phase.RUNNING, step_at_start=snap.step, exit_handled=False,
+                  workers=frozenset(), step_at=None, ready_sent=True)
+    return mem, actions, f"{verb} the torchrun agent"
+
+
+_RULES: tuple[Rule, ...] = (_hard_stop, _drain, _agent_exited, _job_completed, _reopen, _dead_peers,
+                            _hang, _worker_crash_loop, _start)

@@ -1,141 +1,402 @@
-"""Every edge of the supervisor's pure decision function, one test each (no processes)."""
+"""Every rule of the daemon's pure decision function, one test each (no processes, no clock).
+
+``decide(snapshot, memory, policy)`` returns the next memory, the actions and one
+sentence; the tests drive it with hand-built snapshots, timers included.
+"""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from elasticd.supervisor import Action, Phase, Policy, View, decide
+from elasticd.supervisor import (
+    Death,
+    Eviction,
+    Kind,
+    Memory,
+    PeerView,
+    Phase,
+    Policy,
+    Snapshot,
+    decide,
+    drain_grace,
+    hang_bound,
+    restart_cause,
+)
 
 POLICY = Policy(backoff_initial_s=1.0, backoff_max_s=8.0, crash_loop_failures=3,
-                crash_loop_window_s=100.0, completion_grace_s=30.0)
+                crash_loop_window_s=100.0, completion_grace_s=30.0, kill_grace_s=2.0,
+                confirm_timeout_s=1.5, drain_grace_s=60.0, notice_margin_s=5.0,
+                hang_floor_s=10.0, hang_factor=20.0)
+T = 1000.0
+AGENT = 4242
+W = frozenset({11, 12})
+RUNNING = Memory(phase=Phase.RUNNING, workers=W, agent_pid=AGENT)
+B = PeerView("b", "running", ("127.0.0.1", 77), 5, "127.0.0.1:9")
 
 
-def d(**kw):
-    kw.setdefault("now", 1000.0)
-    kw.setdefault("phase", Phase.IDLE)
-    return decide(View(**kw), POLICY)
+def snap(**kw) -> Snapshot:
+    kw.setdefault("now", T)
+    return Snapshot(**kw)
 
 
-def test_idle_starts_the_agent():
-    out = d()
-    assert (out.action, out.phase) == (Action.START_AGENT, Phase.RUNNING)
+def live(**kw) -> Snapshot:
+    """A running agent with its workers."""
+    kw.setdefault("agent_pid", AGENT)
+    kw.setdefault("workers", W)
+    return snap(**kw)
+
+
+def d(s: Snapshot, m: Memory = RUNNING, policy: Policy = POLICY):
+    return decide(s, m, policy)
+
+
+# -- start, exit, backoff, crash loop ---------------------------------------------------
+
+def test_idle_starts_the_agent_and_reports_ready_once():
+    out = d(snap(), Memory())
+    assert out.phase is Phase.RUNNING
+    assert out.kinds() == [Kind.START_AGENT, Kind.NOTIFY]
     assert out.reason == "starting the torchrun agent"
+    again = d(snap(now=T + 5), replace(out.memory, phase=Phase.BACKOFF))
+    assert again.kinds() == [Kind.START_AGENT]
 
 
 def test_running_agent_with_nothing_new_does_nothing():
-    out = d(phase=Phase.RUNNING, agent_running=True)
-    assert (out.action, out.phase) == (Action.NONE, Phase.RUNNING)
+    out = d(live())
+    assert (out.actions, out.phase, out.reason) == ((), Phase.RUNNING, "")
 
 
 def test_agent_exit_zero_records_completion():
-    out = d(phase=Phase.RUNNING, agent_exit=0)
-    assert (out.action, out.phase) == (Action.RECORD_COMPLETED, Phase.COMPLETED)
+    out = d(snap(agent_pid=AGENT, agent_exit=0, step=50))
+    assert out.phase is Phase.COMPLETED
+    assert out.kinds() == [Kind.MARK_COMPLETED, Kind.PUBLISH, Kind.JOURNAL]
 
 
 def test_agent_failure_backs_off_exponentially():
-    first = d(phase=Phase.RUNNING, agent_exit=1)
-    assert (first.action, first.phase, first.delay_s) == (Action.BACKOFF, Phase.BACKOFF, 1.0)
-    second = d(phase=Phase.RUNNING, agent_exit=1, failures=(990.0,))
-    assert second.delay_s == 2.0
+    first = d(snap(agent_pid=AGENT, agent_exit=1))
+    assert first.phase is Phase.BACKOFF and first.memory.restart_at == T + 1.0
+    second = d(snap(agent_pid=AGENT, agent_exit=1), replace(RUNNING, failures=(990.0,)))
+    assert second.memory.restart_at == T + 2.0
     assert "failure 2 of 3" in second.reason
 
 
+def test_an_exit_is_handled_once():
+    first = d(snap(agent_pid=AGENT, agent_exit=1))
+    again = d(snap(now=T + 0.1, agent_pid=AGENT, agent_exit=1), first.memory)
+    assert again.actions == () and again.phase is Phase.BACKOFF
+
+
 def test_backoff_is_capped():
-    policy = Policy(backoff_initial_s=1.0, backoff_max_s=3.0, crash_loop_failures=10)
-    out = decide(View(now=1000.0, phase=Phase.RUNNING, agent_exit=1, failures=(995.0,) * 5), policy)
-    assert out.delay_s == 3.0
+    policy = replace(POLICY, backoff_max_s=3.0, crash_loop_failures=10)
+    out = d(snap(agent_pid=AGENT, agent_exit=1), replace(RUNNING, failures=(995.0,) * 5), policy)
+    assert out.memory.restart_at == T + 3.0
 
 
 def test_backoff_waits_until_its_delay_is_over():
-    assert d(phase=Phase.BACKOFF, restart_at=1001.0).action is Action.NONE
-    out = d(phase=Phase.BACKOFF, restart_at=999.0)
-    assert (out.action, out.reason) == (Action.START_AGENT, "restarting the torchrun agent")
+    waiting = Memory(phase=Phase.BACKOFF, restart_at=T + 1, exit_handled=True, ready_sent=True)
+    assert d(snap(agent_pid=AGENT, agent_exit=1), waiting).actions == ()
+    out = d(snap(now=T + 1, agent_pid=AGENT, agent_exit=1), waiting)
+    assert (out.kinds(), out.reason) == ([Kind.START_AGENT], "restarting the torchrun agent")
 
 
 def test_crash_loop_marks_the_node_failed():
-    out = d(phase=Phase.RUNNING, agent_exit=1, failures=(950.0, 990.0))
-    assert (out.action, out.phase) == (Action.MARK_FAILED, Phase.FAILED)
+    out = d(snap(agent_pid=AGENT, agent_exit=1), replace(RUNNING, failures=(950.0, 990.0)))
+    assert out.phase is Phase.FAILED
     assert "failed 3 times without progress" in out.reason
+    assert out.actions[0].kind is Kind.PUBLISH and out.actions[0]["fields"]["state"] == "failed"
 
 
 def test_old_failures_outside_the_window_do_not_count():
-    out = d(phase=Phase.RUNNING, agent_exit=1, failures=(100.0, 200.0))
-    assert out.action is Action.BACKOFF
+    out = d(snap(agent_pid=AGENT, agent_exit=1), replace(RUNNING, failures=(100.0, 200.0)))
+    assert out.phase is Phase.BACKOFF
 
 
-def test_dead_peer_while_running_evicts_and_restarts_workers():
-    out = d(phase=Phase.RUNNING, agent_running=True, dead_peers=("b",))
-    assert (out.action, out.phase, out.peers) == (Action.EVICT_PEERS, Phase.RUNNING, ("b",))
-    assert out.reason.startswith("peer(s) b lost; evicting them")
-
-
-def test_dead_peer_while_backing_off_is_still_evicted():
-    out = d(phase=Phase.BACKOFF, restart_at=2000.0, dead_peers=("b", "c"))
-    assert (out.action, out.phase) == (Action.EVICT_PEERS, Phase.BACKOFF)
-
-
-def test_drain_request_starts_draining():
-    out = d(phase=Phase.RUNNING, agent_running=True, drain_reason="SIGTERM was received")
-    assert (out.action, out.phase) == (Action.DRAIN, Phase.DRAINING)
-    assert out.reason == "draining because SIGTERM was received"
-
-
-def test_draining_waits_for_the_agent_then_finishes():
-    assert d(phase=Phase.DRAINING, agent_running=True, drain_reason="x").action is Action.NONE
-    out = d(phase=Phase.DRAINING, drain_reason="x")
-    assert (out.action, out.phase) == (Action.FINISH_DRAIN, Phase.STOPPED)
-
-
-def test_drain_beats_an_agent_exit():
-    out = d(phase=Phase.RUNNING, agent_exit=1, drain_reason="SIGTERM was received")
-    assert out.action is Action.DRAIN
-
-
-def test_job_completed_elsewhere_and_no_agent_completes():
-    out = d(phase=Phase.BACKOFF, job_state="completed", restart_at=2000.0)
-    assert (out.action, out.phase) == (Action.NONE, Phase.COMPLETED)
-
-
-def test_agent_failure_after_completion_elsewhere_is_not_a_failure():
-    out = d(phase=Phase.RUNNING, agent_exit=1, job_state="completed")
-    assert (out.action, out.phase) == (Action.NONE, Phase.COMPLETED)
-
-
-def test_agent_still_running_long_after_completion_is_stopped():
-    waiting = d(phase=Phase.RUNNING, agent_running=True, job_state="completed", completed_seen_at=990.0)
-    assert waiting.action is Action.NONE
-    out = d(phase=Phase.RUNNING, agent_running=True, job_state="completed", completed_seen_at=900.0)
-    assert (out.action, out.phase) == (Action.STOP_COMPLETED, Phase.COMPLETED)
-
-
-def test_failed_job_does_not_start():
-    out = d(job_state="failed")
-    assert (out.action, out.phase) == (Action.NONE, Phase.FAILED)
-
-
-@pytest.mark.parametrize("phase", [Phase.COMPLETED, Phase.FAILED, Phase.STOPPED])
-def test_final_phases_do_nothing(phase):
-    out = d(phase=phase, agent_exit=1, dead_peers=("b",), drain_reason="x")
-    assert (out.action, out.phase) == (Action.NONE, phase)
-
-
-def test_worker_crash_loop_while_running_marks_failed_and_stops():
-    out = d(phase=Phase.RUNNING, agent_running=True, failures=(950.0, 980.0, 990.0))
-    assert (out.action, out.phase) == (Action.MARK_FAILED, Phase.FAILED)
+def test_worker_crash_loop_while_running_marks_failed():
+    out = d(live(), replace(RUNNING, failures=(950.0, 980.0, 990.0)))
+    assert out.phase is Phase.FAILED
     assert "the workers crashed 3 times without progress" in out.reason
 
 
 def test_worker_crashes_below_the_budget_are_tolerated():
-    out = d(phase=Phase.RUNNING, agent_running=True, failures=(980.0, 990.0))
-    assert out.action is Action.NONE
+    assert d(live(), replace(RUNNING, failures=(980.0, 990.0))).phase is Phase.RUNNING
 
 
-@pytest.mark.parametrize("now, last_change, event, cause", [
+def test_progress_past_the_start_step_clears_the_crash_count():
+    mem = replace(RUNNING, failures=(990.0,), step_at_start=10, step=10)
+    out = d(live(step=11), mem)
+    assert out.memory.failures == () and "crash count is reset" in out.reason
+    assert d(live(step=10), replace(mem, step=9)).memory.failures == (990.0,)
+
+
+# -- worker restarts and their cause ------------------------------------------------------
+
+@pytest.mark.parametrize("now, changed, event, cause", [
     (100.0, 95.0, "step", "membership"),       # a peer left or joined 5 s ago
     (100.0, 50.0, "stopped", "membership"),    # coordinated stop: a drain or scale change
     (100.0, 50.0, "step", "crash"),
     (100.0, float("-inf"), None, "crash"),
 ])
-def test_restart_cause_tells_membership_from_crash(now, last_change, event, cause):
-    from elasticd.supervisor import restart_cause
-    assert restart_cause(now, last_change, event) == cause
+def test_restart_cause_tells_membership_from_crash(now, changed, event, cause):
+    assert restart_cause(now, changed, event, window_s=15.0) == cause
+
+
+def test_a_new_worker_group_after_a_crash_counts_a_failure():
+    out = d(live(workers=frozenset({21})))
+    assert out.memory.failures == (T,)
+    assert out.reason == "the agent restarted its workers after a crash"
+    journal = out.actions[0]
+    assert (journal.kind, journal["fields"]) == (Kind.JOURNAL, {"cause": "crash"})
+    assert out.actions[1]["label"] == "crash"
+
+
+def test_a_new_worker_group_after_a_membership_change_is_not_a_failure():
+    out = d(live(workers=frozenset({21})), replace(RUNNING, membership_changed_at=T - 3))
+    assert out.memory.failures == () and "after a membership" in out.reason
+
+
+def test_the_first_worker_group_of_an_agent_is_not_a_restart():
+    out = d(live(), replace(RUNNING, workers=frozenset()))
+    assert out.actions == () and out.memory.workers == W
+
+
+# -- peers: refused, vanished, confirmed, evicted, killed -------------------------------
+
+def test_a_refused_probe_deletes_the_peers_record():
+    out = d(live(refused=(B,)))
+    assert [(a.kind, a["peer"]) for a in out.actions] == [(Kind.DELETE_PEER, B)]
+    assert out.reason == "peer b refused its liveness probe"
+
+
+def test_a_vanished_peer_is_confirmed_off_the_loop():
+    out = d(live(departed=(B,)))
+    assert out.kinds() == [Kind.CONFIRM_PEER]
+    assert "b" in out.memory.suspects and out.memory.membership_changed_at == T
+
+
+@pytest.mark.parametrize("answer, how", [("refused", "crashed"), ("silent", "silent")])
+def test_a_confirmation_classifies_the_death_and_evicts(answer, how):
+    suspect = d(live(departed=(B,))).memory
+    out = d(live(now=T + 0.2, confirmations={"b": answer}), suspect)
+    assert out.kinds()[:2] == [Kind.EVICT, Kind.JOURNAL]
+    assert out.actions[1]["fields"] == {"peer": "b", "how": how}
+    assert out.memory.evicting["b"].how == how
+    assert out.reason.startswith("peer(s) b lost; evicting them")
+
+
+def test_a_vanished_peer_that_answers_is_left_alone():
+    suspect = d(live(departed=(B,))).memory
+    out = d(live(now=T + 0.2, confirmations={"b": "alive"}), suspect)
+    assert out.actions == () and not out.memory.dead
+    assert "answers; waiting for it to re-register" in out.reason
+
+
+def test_no_confirmation_within_the_timeout_means_silent():
+    suspect = d(live(departed=(B,))).memory
+    assert d(live(now=T + 1.0), suspect).actions == ()
+    out = d(live(now=T + 1.5), suspect)
+    assert out.memory.evicting["b"].how == "silent"
+
+
+def test_a_peer_that_left_needs_no_confirmation():
+    out = d(live(departed=(replace(B, state="leaving"),)))
+    assert out.kinds()[0] is Kind.EVICT and out.memory.evicting["b"].how == "left"
+
+
+def test_a_crashed_peer_in_our_round_gets_a_kill_grace():
+    mem = replace(RUNNING, evicting={"b": Death(B, "crashed", 1)})
+    out = d(live(eviction=Eviction(("b",), ok=True, in_round=True)), mem)
+    assert out.actions == () and (out.memory.kill_at, out.memory.kill_pids) == (T + 2.0, W)
+    assert d(live(now=T + 1.9), out.memory).actions == ()
+    due = d(live(now=T + 2.0), out.memory)
+    assert [(a.kind, a["pids"]) for a in due.actions] == [(Kind.KILL_WORKERS, W)]
+    assert due.memory.kill_at is None
+
+
+def test_workers_that_failed_by_themselves_are_not_killed_after_the_grace():
+    mem = replace(RUNNING, kill_at=T, kill_pids=W)
+    out = d(live(workers=frozenset({31})), mem)
+    assert Kind.KILL_WORKERS not in out.kinds() and out.memory.kill_at is None
+
+
+def test_a_silent_peer_in_our_round_kills_our_workers_now():
+    mem = replace(RUNNING, evicting={"b": Death(B, "silent", 1)})
+    out = d(live(eviction=Eviction(("b",), ok=True, in_round=True)), mem)
+    assert [(a.kind, a["pids"]) for a in out.actions] == [(Kind.KILL_WORKERS, W)]
+
+
+def test_a_peer_outside_our_round_kills_nothing():
+    mem = replace(RUNNING, evicting={"b": Death(B, "silent", 1)})
+    out = d(live(eviction=Eviction(("b",), ok=True, in_round=False)), mem)
+    assert out.actions == () and out.memory.kill_at is None
+
+
+def test_another_daemon_evicted_first_so_the_record_decides():
+    mem = replace(RUNNING, evicting={"b": Death(B, "silent", 1)})
+    out = d(live(eviction=Eviction(("b",), ok=True, in_round=None)), mem)
+    assert out.kinds() == [Kind.KILL_WORKERS]
+
+
+def test_a_failed_eviction_is_retried_without_journaling_again():
+    mem = replace(RUNNING, evicting={"b": Death(B, "crashed", 1)})
+    out = d(live(eviction=Eviction(("b",), ok=False)), mem)
+    assert out.memory.dead["b"].attempts == 1 and out.memory.kill_at == T + 2.0
+    assert d(live(now=T + 0.5), out.memory).kinds() == []
+    retry = d(live(now=T + 1.0), out.memory)
+    assert retry.kinds() == [Kind.EVICT]
+    assert retry.reason == "retrying the eviction of peer(s) b"
+
+
+def test_a_retried_eviction_never_plans_a_second_kill():
+    mem = replace(RUNNING, evicting={"b": Death(B, "crashed", 2)})
+    out = d(live(eviction=Eviction(("b",), ok=True, in_round=True)), mem)
+    assert out.memory.kill_at is None and out.actions == ()
+
+
+def test_dead_peer_while_backing_off_is_still_evicted():
+    mem = Memory(phase=Phase.BACKOFF, restart_at=T + 100, dead={"b": Death(B, "crashed")})
+    out = d(snap(), mem)
+    assert out.kinds()[0] is Kind.EVICT and out.phase is Phase.BACKOFF
+
+
+def test_a_new_peer_is_a_membership_change():
+    out = d(live(peers={"b": B}))
+    assert out.memory.membership_changed_at == T and out.memory.peers_seen == {"b"}
+
+
+# -- drain, notices, signals --------------------------------------------------------------
+
+def test_drain_request_starts_draining():
+    out = d(live(drain_request="SIGTERM was received", stop_signals=1))
+    assert out.phase is Phase.DRAINING and out.memory.drain_deadline == T + 60.0
+    assert out.kinds() == [Kind.PUBLISH, Kind.JOURNAL, Kind.NOTIFY, Kind.TOUCH_STOP_FILE,
+                           Kind.TERMINATE_AGENT]
+    assert out.actions[0]["fields"] == {"state": "leaving"}
+    assert out.reason == "draining because SIGTERM was received (grace 60 s)"
+
+
+def test_a_notice_deadline_shortens_the_drain_grace():
+    assert drain_grace(T, POLICY, T + 30.0) == 25.0
+    assert drain_grace(T, POLICY, T + 300.0) == 60.0
+    assert drain_grace(T, POLICY, None) == 60.0
+    assert drain_grace(T, POLICY, T + 2.0) == 1.0
+    out = d(live(drain_request="a gce preemption notice arrived", notice_deadline=T + 30.0))
+    assert out.memory.drain_deadline == T + 25.0
+
+
+def test_the_first_signal_after_a_notice_keeps_draining():
+    draining = d(live(drain_request="a notice", notice_deadline=T + 30.0)).memory
+    out = d(live(now=T + 1, drain_request="a notice", stop_signals=1), draining)
+    assert out.phase is Phase.DRAINING and not out.memory.hard_stop
+
+
+def test_a_second_signal_is_a_hard_stop():
+    draining = d(live(drain_request="SIGTERM was received", stop_signals=1)).memory
+    out = d(live(now=T + 1, drain_request="SIGTERM was received", stop_signals=2), draining)
+    assert (out.phase, out.kinds(), out.memory.hard_stop) == (Phase.STOPPED, [Kind.KILL_AGENT], True)
+
+
+def test_draining_leaves_the_rendezvous_once_the_workers_are_gone():
+    draining = d(live(drain_request="x")).memory
+    assert d(live(now=T + 1, drain_request="x"), draining).actions == ()
+    out = d(live(now=T + 2, drain_request="x", workers=frozenset()), draining)
+    assert out.kinds() == [Kind.LEAVE_RENDEZVOUS] and out.memory.left_rdzv
+
+
+def test_draining_kills_the_agent_when_the_grace_is_over():
+    draining = d(live(drain_request="x")).memory
+    out = d(live(now=T + 60, drain_request="x"), draining)
+    assert out.kinds() == [Kind.KILL_AGENT] and "grace is over" in out.reason
+
+
+def test_draining_finishes_when_the_agent_is_gone():
+    draining = replace(d(live(drain_request="x")).memory, left_rdzv=True)
+    out = d(snap(agent_pid=AGENT, agent_exit=75, drain_request="x", step=40), draining)
+    assert out.phase is Phase.STOPPED
+    assert out.kinds() == [Kind.JOURNAL, Kind.DELETE_DRAIN_KEY]
+    not_left = d(snap(agent_pid=AGENT, agent_exit=75, drain_request="x"), replace(draining, left_rdzv=False))
+    assert not_left.kinds()[0] is Kind.LEAVE_RENDEZVOUS
+
+
+def test_drain_beats_an_agent_exit():
+    out = d(snap(agent_pid=AGENT, agent_exit=1, drain_request="SIGTERM was received"))
+    assert out.phase is Phase.DRAINING
+
+
+# -- job completion, rendezvous closed ----------------------------------------------------
+
+def test_job_completed_elsewhere_and_no_agent_completes():
+    out = d(snap(job_state="completed"), Memory(phase=Phase.BACKOFF, restart_at=T + 100))
+    assert (out.actions, out.phase) == ((), Phase.COMPLETED)
+
+
+def test_agent_failure_after_completion_elsewhere_is_not_a_failure():
+    out = d(snap(agent_pid=AGENT, agent_exit=1, job_state="completed"))
+    assert (out.actions, out.phase) == ((), Phase.COMPLETED)
+
+
+def test_agent_still_running_long_after_completion_is_stopped():
+    first = d(live(job_state="completed"))
+    assert first.actions == () and first.memory.completed_seen_at == T
+    out = d(live(now=T + 30, job_state="completed"), first.memory)
+    assert (out.kinds(), out.phase) == ([Kind.KILL_AGENT], Phase.COMPLETED)
+
+
+def test_a_closed_rendezvous_of_an_unfinished_job_is_reopened_at_most_once_a_second():
+    out = d(live(rdzv_closed=True))
+    assert out.kinds() == [Kind.REOPEN_RENDEZVOUS] and "reopening it" in out.reason
+    assert d(live(now=T + 0.5, rdzv_closed=True), out.memory).actions == ()
+    assert d(live(now=T + 1.0, rdzv_closed=True), out.memory).kinds() == [Kind.REOPEN_RENDEZVOUS]
+
+
+def test_a_closed_rendezvous_of_a_completed_job_stays_closed():
+    assert Kind.REOPEN_RENDEZVOUS not in d(live(rdzv_closed=True, job_state="completed")).kinds()
+
+
+@pytest.mark.parametrize("phase", [Phase.COMPLETED, Phase.FAILED, Phase.STOPPED])
+def test_final_phases_do_nothing(phase):
+    out = d(snap(agent_exit=1, departed=(B,), drain_request="x"), Memory(phase=phase))
+    assert (out.actions, out.phase) == ((), phase)
+
+
+# -- checkpoint hint ------------------------------------------------------------------------
+
+def test_a_new_committed_checkpoint_is_published_once():
+    out = d(live(checkpoint_step=40))
+    assert [(a.kind, a["step"]) for a in out.actions] == [(Kind.PUBLISH_CHECKPOINT, 40)]
+    assert d(live(checkpoint_step=40), out.memory).actions == ()
+
+
+# -- training hang ----------------------------------------------------------------------------
+
+def test_hang_bound_is_derived_from_the_step_time_with_a_floor():
+    assert hang_bound(POLICY, ()) == 10.0
+    assert hang_bound(POLICY, (0.1, 0.1, 0.2)) == 10.0           # 20 x 0.1 s < floor
+    assert hang_bound(POLICY, (1.0, 2.0, 3.0)) == 40.0           # 20 x the median
+    assert hang_bound(replace(POLICY, hang_timeout_s=7.0), (1.0,)) == 7.0
+
+
+def test_a_stalled_step_with_live_workers_is_a_hang():
+    stepping = d(live(step=5), replace(RUNNING, step=4, step_at=T - 0.1)).memory
+    assert d(live(now=T + 9.9, step=5), stepping).actions == ()
+    out = d(live(now=T + 10, step=5), stepping)
+    assert [(a.kind, a["pids"]) for a in out.actions[:1]] == [(Kind.KILL_WORKERS, W)]
+    assert out.actions[1]["event"] == "training-hang"
+    assert out.reason.startswith("training hung: no step for 10 s")
+    assert d(live(now=T + 20, step=5), out.memory).actions == ()   # disarmed until the next step
+
+
+def test_no_hang_before_the_first_step_of_a_worker_group():
+    assert d(live(now=T + 1000, step=5), replace(RUNNING, step=5, step_at=None)).actions == ()
+
+
+def test_a_stall_explained_by_a_lost_peer_is_not_a_hang():
+    mem = replace(RUNNING, step=5, step_at=T - 100, suspects={"b": (B, T)})
+    assert Kind.KILL_WORKERS not in d(live(step=5), mem).kinds()
+
+
+def test_a_new_worker_group_disarms_the_hang_timer():
+    mem = replace(RUNNING, step=5, step_at=T - 100)
+    out = d(live(step=5, workers=frozenset({41})), mem)
+    assert out.memory.step_at is None and Kind.KILL_WORKERS not in out.kinds()

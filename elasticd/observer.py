@@ -1,0 +1,248 @@
+"""What the daemon's loop reads each cycle, validated: the progress file, the job's
+etcd keys, the newest checkpoint, and the reaping of adopted orphans.
+
+Reads only. Every value that comes from a file or from etcd is checked here and
+a bad one is treated as absent with one warning naming the key (or file): a
+malformed value, written by mistake or by an attacker with access to the job
+prefix, can neither crash the loop nor steer it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import structlog
+
+from elasticd.errors import EtcdError
+from elasticd.etcd_client import EtcdClient, KeyValue
+from elasticd.rendezvous import state_ops
+from elasticd.rendezvous.keys import JobKeys
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The workers' last progress record (``trainer/progress.py`` writes it)."""
+
+    step: int | None = None
+    world_size: int | None = None
+    event: str | None = None
+    restart_count: int | None = None
+
+
+def parse_progress(raw: Any) -> Progress | None:
+    if not isinstance(raw, dict):
+        return None
+    step, world, event, restarts = (raw.get(k) for k in ("step", "world_size", "event", "restart_count"))
+    if not all(v is None or type(v) is int for v in (step, world, restarts)):
+        return None
+    if event is not None and not isinstance(event, str):
+        return None
+    return Progress(step, world, event, restarts)
+
+
+class ProgressReader:
+    """Re-reads the progress file when its mtime changes."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._mtime: float | None = None
+        self.progress = Progress()
+
+    def read(self) -> Progress:
+        try:
+            mtime = self._path.stat().st_mtime
+        except OSError:
+            return self.progress
+        if mtime == self._mtime:
+            return self.progress
+        try:
+            parsed = parse_progress(json.loads(self._path.read_text()))
+        except (OSError, ValueError):
+            return self.progress  # caught mid-replace; the next cycle reads it
+        self._mtime = mtime
+        if parsed is None:
+            log.warning("ignoring a malformed progress record", file=str(self._path))
+            return self.progress
+        self.progress = parsed
+        return parsed
+
+
+@dataclass(frozen=True)
+class JobView:
+    """The job's keys in etcd, as last read."""
+
+    job_state: str | None = None
+    drain_reason: str | None = None   # set when `elasticd drain` asked for this node
+    rdzv_closed: bool = False
+    round: int | None = None
+    ok: bool = True                   # the last read succeeded
+
+
+class JobReader:
+    """Reads ``/state``, this node's drain key and the rendezvous state every ``every_s``.
+
+    One atomic read (fail-fast, within the caller's deadline); on an etcd error the
+    last view is kept with ``ok=False``.
+    """
+
+    def __init__(self, client: EtcdClient, keys: JobKeys, node_id: str, every_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._client = client
+        self._keys = keys
+        self._drain_key = keys.drain(node_id)
+        self._every_s = every_s
+        self._clock = clock
+        self._read_at = float("-inf")
+        self._warned: set[tuple[str, int]] = set()
+        self.view = JobView()
+
+    def read(self) -> JobView:
+        now = self._clock()
+        if now - self._read_at < self._every_s:
+            return self.view
+        self._read_at = now
+        try:
+            found, _ = self._client.get_many([self._keys.state, self._drain_key, self._keys.rdzv_state])
+        except EtcdError:
+            self.view = JobView(self.view.job_state, self.view.drain_reason, self.view.rdzv_closed,
+                                self.view.round, ok=False)
+            return self.view
+        rdzv = self._round(found.get(self._keys.rdzv_state))
+        self.view = JobView(
+            job_state=self._field(found.get(self._keys.state), "state"),
+            drain_reason=self._drain(found.get(self._drain_key)),
+            rdzv_closed=bool(rdzv and rdzv.closed), round=rdzv.round if rdzv else None)
+        return self.view
+
+    def _object(self, kv: KeyValue | None) -> dict[str, Any] | None:
+        if kv is None:
+            return None
+        try:
+            value = json.loads(kv.value)
+        except ValueError:
+            value = None
+        if isinstance(value, dict):
+            return value
+        self._warn(kv, "not a JSON object")
+        return None
+
+    def _field(self, kv: KeyValue | None, name: str) -> str | None:
+        value = self._object(kv)
+        if value is None:
+            return None
+        field = value.get(name)
+        if isinstance(field, str):
+            return field
+        self._warn(kv, f"{name!r} is not a string")
+        return None
+
+    def _drain(self, kv: KeyValue | None) -> str | None:
+        value = self._object(kv)
+        if value is None:
+            return None if kv is None else "`elasticd drain` asked for it"
+        reason = value.get("reason", "")
+        reason = reason if isinstance(reason, str) else ""
+        return f"`elasticd drain` asked for it{': ' + reason[:200] if reason else ''}"
+
+    def _round(self, kv: KeyValue | None) -> state_ops.RoundView | None:
+        if kv is None:
+            return None
+        try:
+            return state_ops.view(kv.value)
+        except Exception as exc:  # untrusted bytes: any failure means "unreadable"
+            self._warn(kv, f"not a rendezvous state torch can read ({type(exc).__name__}: {exc})")
+            return None
+
+    def _warn(self, kv: KeyValue, problem: str) -> None:
+        if (kv.key, kv.mod_revision) in self._warned:
+            return
+        self._warned.add((kv.key, kv.mod_revision))
+        log.warning("ignoring a malformed value in etcd; treating it as absent", key=kv.key,
+                    problem=problem, fix="delete the key or write a valid value")
+
+
+class CheckpointScanner:
+    """Finds the newest committed checkpoint step in a thread, off the daemon's loop.
+
+    The directory is usually shared (NFS): a stalled mount must stall this thread
+    only, never the loop and its watchdog pings.
+    """
+
+    def __init__(self, directory: str, every_s: float = 2.0,
+                 scan: Callable[[str], int | None] | None = None) -> None:
+        self._directory = directory
+        self._every_s = every_s
+        self._scan = scan or newest_committed_step
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.step: int | None = None
+        self._thread = threading.Thread(target=self._run, name="elasticd-ckpt-scan", daemon=True)
+
+    def start(self) -> CheckpointScanner:
+        self._thread.start()
+        return self
+
+    def poke(self) -> None:
+        """Scan soon (a checkpoint or stop event was seen)."""
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.step = self._scan(self._directory)
+            except Exception as exc:  # a scan error must not end the thread
+                log.warning("checkpoint scan failed", dir=self._directory, reason=str(exc))
+            self._wake.wait(self._every_s)
+            self._wake.clear()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=2)
+
+
+def newest_committed_step(directory: str) -> int | None:
+    """The newest committed checkpoint's step (manifests only, no tensors), or None."""
+    from checkpointing import CheckpointError, CheckpointManager
+
+    if not os.path.isdir(directory):
+        return None
+    try:
+        return CheckpointManager(directory, read_only=True).latest_step()
+    except CheckpointError:
+        return None
+
+
+def reap_orphans(keep: int | None) -> list[int]:
+    """Reap exited children other than ``keep`` (the agent, reaped by its Popen).
+
+    As child subreaper the daemon adopts every orphaned descendant; unreaped, they
+    stay zombies. ``waitpid(-1)`` would also reap the agent and lose its exit code.
+    """
+    reaped = []
+    try:
+        children = psutil.Process().children()
+    except psutil.Error:
+        return reaped
+    for child in children:
+        if child.pid == keep:
+            continue
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                continue
+            pid, _ = os.waitpid(child.pid, os.WNOHANG)
+        except (psutil.Error, ChildProcessError):
+            continue
+        if pid:
+            reaped.append(pid)
+    return reaped
