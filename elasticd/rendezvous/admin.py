@@ -1,42 +1,91 @@
 """Fenced edits of the live rendezvous state by the daemon (not by torch).
 
-Every edit is read-modify-write with a compare on the key's mod_revision, so
-it never overwrites an agent's concurrent update: on a lost race it re-reads
-and re-applies the (idempotent) pure operation.
+Every edit is read-modify-write with a compare on the key's mod_revision, so it never
+overwrites an agent's concurrent update: on a lost race it re-reads and re-applies the
+(idempotent) pure operation. Each call has a wall-clock budget: the daemon's loop calls
+these from its 100 ms tick, so every etcd call inside fails fast (``no_retry``: an
+outage raises ``EtcdError`` at once) and lost races are retried only while the budget
+lasts. A stopped (not dead) etcd still costs up to the client's read timeout per call:
+the budget is checked between calls.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import structlog
 
-from elasticd.etcd_client import EtcdClient
+from elasticd.etcd_client import EtcdClient, KeyValue, no_retry
 from elasticd.rendezvous import state_ops
 from elasticd.rendezvous.keys import JobKeys
 from elasticd.rendezvous.state_ops import Removal, RoundView
 
 log = structlog.get_logger(__name__)
 
-_MAX_ATTEMPTS = 20
+
+def _fenced_edit(client: EtcdClient, keys: JobKeys, deadline_s: float,
+                 edit: Callable[[bytes], bytes | None]) -> tuple[bool, bool]:
+    """Apply ``edit`` to the state until a fenced write wins or ``deadline_s`` passes.
+
+    Returns ``(changed, gave_up)``: ``changed`` if this call wrote a new state;
+    ``gave_up`` if it lost races until the budget ran out. ``edit`` returning None
+    means "nothing to change".
+    """
+    end = time.monotonic() + deadline_s
+    with no_retry():
+        while True:
+            kv: KeyValue | None = client.get(keys.rdzv_state)
+            if kv is None:
+                return False, False
+            new = edit(kv.value)
+            if new is None:
+                return False, False
+            won, _ = client.put_or_create(keys.rdzv_state, new, kv.mod_revision,
+                                          lease=kv.lease_id or None)
+            if won:
+                return True, False
+            if time.monotonic() >= end:
+                return False, True
 
 
 def evict_agents(client: EtcdClient, keys: JobKeys, agents: set[tuple[str, int]],
-                 min_nodes: int) -> Removal:
-    """Remove these agents from the rendezvous at once (instead of after torch's keep-alive)."""
-    for _ in range(_MAX_ATTEMPTS):
-        kv = client.get(keys.rdzv_state)
-        if kv is None:
-            return Removal(None, (), False)
-        removal = state_ops.remove_agents(kv.value, agents, min_nodes)
-        if removal.state is None:
-            return removal
-        won, _ = client.put_or_create(keys.rdzv_state, removal.state, kv.mod_revision,
-                                      lease=kv.lease_id or None)
-        if won:
-            return removal
-    log.warning("gave up evicting agents after repeated races", agents=sorted(agents))
-    return Removal(None, (), False)
+                 min_nodes: int, deadline_s: float = 2.0) -> Removal:
+    """Remove these agents from the rendezvous at once (instead of after torch's keep-alive).
+
+    ``deadline_s`` bounds the whole call (wall clock). Raises ``EtcdError`` if etcd is
+    unavailable, ``CorruptStateError`` (an ``EtcdError``) if the state is not torch's.
+    """
+    result: list[Removal] = []
+
+    def edit(value: bytes) -> bytes | None:
+        removal = state_ops.remove_agents(value, agents, min_nodes, keys.rdzv_state)
+        result[:] = [removal]
+        return removal.state
+
+    changed, gave_up = _fenced_edit(client, keys, deadline_s, edit)
+    if gave_up:
+        log.warning("gave up evicting agents after repeated races", agents=sorted(agents),
+                    budget_s=deadline_s)
+    return result[0] if changed else Removal(None, (), False)
+
+
+def reopen_if_closed(client: EtcdClient, keys: JobKeys, deadline_s: float = 2.0) -> bool:
+    """Reopen a rendezvous state that an agent closed; True if this call reopened it.
+
+    For the daemon to call while the job is not completed: torch closes the state
+    when any agent gives up, which would make every agent fail from then on.
+    ``deadline_s`` bounds the whole call; ``EtcdError`` as for ``evict_agents``.
+    """
+    changed, gave_up = _fenced_edit(client, keys, deadline_s,
+                                    lambda value: state_ops.reopen(value, keys.rdzv_state))
+    if changed:
+        log.warning("reopened the rendezvous an agent had closed", key=keys.rdzv_state)
+    elif gave_up:
+        log.warning("gave up reopening the rendezvous after repeated races", budget_s=deadline_s)
+    return changed
 
 
 def current_round(client: EtcdClient, keys: JobKeys) -> RoundView | None:
     kv = client.get(keys.rdzv_state)
-    return None if kv is None else state_ops.view(kv.value)
+    return None if kv is None else state_ops.view(kv.value, keys.rdzv_state)

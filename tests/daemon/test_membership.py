@@ -131,10 +131,10 @@ class _Peer:
 def test_probes_run_concurrently_and_confirmations_come_back_later():
     silent = [_silent_server() for _ in range(4)]
     dead = socket.create_server(("127.0.0.1", 0))
-    dead_endpoint = "127.0.0.1:%d" % dead.getsockname()[1]
+    dead_endpoint = f"127.0.0.1:{dead.getsockname()[1]}"
     dead.close()                                  # nothing listens: refused
     alive = ProbeServer().start()
-    peers = {f"s{i}": _Peer(f"s{i}", "127.0.0.1:%d" % s.getsockname()[1]) for i, s in enumerate(silent)}
+    peers = {f"s{i}": _Peer(f"s{i}", f"127.0.0.1:{s.getsockname()[1]}") for i, s in enumerate(silent)}
     peers["dead"] = _Peer("dead", dead_endpoint)
     prober = Prober(lambda: peers, interval_s=0.2, timeout_s=0.5).start()
     try:
