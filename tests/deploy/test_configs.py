@@ -73,7 +73,8 @@ def test_cluster_examples(name, certs, tmp_path):
     assert len(c.etcd.endpoints) == 3
     assert c.etcd.ca_cert == f"{certs}/ca.pem" and c.etcd.cert == f"{certs}/client.pem"
     assert c.etcd.key == f"{certs}/client-key.pem"
-    assert (c.etcd.user, c.etcd.password) == ("elasticd", env["ELASTICD_ETCD_PASSWORD"])
+    # One etcd user per job (deploy/etcd/setup-auth.sh): its role reaches that job only.
+    assert (c.etcd.user, c.etcd.password) == (f"elasticd-{c.job.id}", env["ELASTICD_ETCD_PASSWORD"])
     assert (c.node.id, c.node.addr) == (env["ELASTICD_NODE_ID"], env["ELASTICD_NODE_ADDR"])
     assert c.job.nproc_per_node == "auto"
     assert c.checkpoint.dir.startswith("/mnt/shared/checkpoints/")
