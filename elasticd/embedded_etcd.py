@@ -108,9 +108,11 @@ class EmbeddedEtcd:
     def start(self, timeout_s: float = 20.0) -> EmbeddedEtcd:
         env = dict(os.environ, ETCD_UNSUPPORTED_ARCH=os.environ.get("ETCD_UNSUPPORTED_ARCH", ""))
         with open(self.log_path, "ab") as log:
+            # The parent-death signal is set after exec: the demo starts etcd while its
+            # threads run, where a preexec_fn would be unsafe.
             self.proc = subprocess.Popen(
-                self._command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                preexec_fn=proctree.parent_death_signal,
+                proctree.with_parent_death_signal(self._command()), stdout=log,
+                stderr=subprocess.STDOUT, env=env,
             )
         if not proctree.wait_for(self.healthy, timeout_s, 0.05):
             self.stop()

@@ -31,7 +31,6 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -45,14 +44,6 @@ def _prctl(option: int, arg: int) -> None:
 def become_subreaper() -> None:
     """Adopt every orphaned descendant of this process (Linux only)."""
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
-
-
-def parent_death_signal(sig: int = signal.SIGKILL) -> None:
-    """``preexec_fn`` for Popen: the child receives ``sig`` when its parent dies.
-
-    Only safe from a single-threaded parent; prefer ``with_parent_death_signal``.
-    """
-    _prctl(_PR_SET_PDEATHSIG, int(sig))
 
 
 SETPRIV = "/usr/bin/setpriv"

@@ -54,9 +54,8 @@ class Member:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **self.env,
                "ETCD_DATA_DIR": str(self.data_dir)}
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([find_etcd_binary()], env=env, stdout=log,
-                                         stderr=subprocess.STDOUT,
-                                         preexec_fn=proctree.parent_death_signal)
+            self.proc = subprocess.Popen(proctree.with_parent_death_signal([find_etcd_binary()]),
+                                         env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def kill(self) -> None:
         if self.proc is not None:
