@@ -27,6 +27,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import tempfile
 import threading
 import time
@@ -93,6 +94,7 @@ class Daemon:
         self._notice_deadline: float | None = None
         self._eviction: Eviction | None = None
         self._status_at = float("-inf")
+        self._checkpoint_seen: tuple[int | None, float] = (None, clock())
         self._stop = threading.Event()
         self.log = log.bind(job=config.job.id, node=self.node_id)
 
@@ -239,6 +241,17 @@ class Daemon:
             self.metrics.step.set(snapshot.step)
         if self.progress.progress.world_size is not None:
             self.metrics.world_size.set(self.progress.progress.world_size)
+        m = self.metrics
+        if self.memory.intervals:
+            m.steps_per_second.set(1.0 / max(statistics.median(self.memory.intervals), 1e-6))
+        if self.jobs.view.round is not None:
+            m.rendezvous_round.set(self.jobs.view.round)
+        while self.jobs.round_trips:
+            m.etcd_round_trip.observe(self.jobs.round_trips.pop())
+        if snapshot.checkpoint_step != self._checkpoint_seen[0]:
+            self._checkpoint_seen = (snapshot.checkpoint_step, self.clock())
+        if snapshot.checkpoint_step is not None:
+            m.checkpoint_age.set(self.clock() - self._checkpoint_seen[1])
         if decision.reason:
             self.log.info(decision.reason, actions=[a.kind.value for a in decision.actions],
                           phase=phase.value, round=self.jobs.view.round,
@@ -360,11 +373,18 @@ class Daemon:
         self.membership.update(**action["fields"])
 
     def _journal(self, action: Action) -> None:
-        self.journal.record(action["event"], **action["fields"])
+        # Every entry carries where training stood, so a timeline can be drawn from the journal.
+        p = self.progress.progress
+        self.journal.record(action["event"], **{"step": p.step, "world_size": p.world_size,
+                                                "round": self.jobs.view.round, **action["fields"]})
 
     def _count(self, action: Action) -> None:
         metric = getattr(self.metrics, action["metric"])
         metric.labels(action["label"]).inc()
+
+    def _observe(self, action: Action) -> None:
+        metric = getattr(self.metrics, action["metric"])
+        metric.labels(action["label"]).observe(action["value"])
 
     def _mark_completed(self, action: Action) -> None:
         self._put(self.keys.state, {"state": "completed", "node": self.node_id, "time": time.time()})
@@ -423,6 +443,7 @@ ACTIONS: dict[Kind, Callable[[Daemon, Action], None]] = {
     Kind.PUBLISH: Daemon._publish,
     Kind.JOURNAL: Daemon._journal,
     Kind.COUNT: Daemon._count,
+    Kind.OBSERVE: Daemon._observe,
     Kind.MARK_COMPLETED: Daemon._mark_completed,
     Kind.PUBLISH_CHECKPOINT: Daemon._publish_checkpoint,
     Kind.TOUCH_STOP_FILE: Daemon._touch_stop_file,

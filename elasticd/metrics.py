@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from elasticd.supervisor import Phase
 
@@ -22,6 +22,20 @@ class Metrics:
         self.agent_starts = Counter("elasticd_agent_starts", "torchrun agent starts", registry=r)
         self.worker_restarts = Counter("elasticd_worker_restarts", "Worker-group restarts by cause",
                                        ["cause"], registry=r)
+        self.recovery_seconds = Histogram(
+            "elasticd_recovery_seconds", "From a fault seen by this daemon to the next completed "
+            "step, by kind (peer-crashed, peer-silent, peer-left, worker-crash, agent-crash, hang)",
+            ["kind"], buckets=(0.5, 1, 2, 3, 5, 8, 13, 20, 30, 60, 120, 300, 600), registry=r)
+        self.steps_per_second = Gauge("elasticd_steps_per_second",
+                                      "Training steps per second (median of recent steps)", registry=r)
+        self.rendezvous_round = Gauge("elasticd_rendezvous_round",
+                                      "torch's rendezvous round of the current world", registry=r)
+        self.checkpoint_age = Gauge("elasticd_checkpoint_age_seconds",
+                                    "Seconds since the newest committed checkpoint step changed",
+                                    registry=r)
+        self.etcd_round_trip = Histogram(
+            "elasticd_etcd_round_trip_seconds", "Duration of the loop's periodic etcd read",
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2), registry=r)
         self.evictions = Counter("elasticd_peer_evictions", "Peers evicted from the rendezvous, "
                                  "by how they went (crashed, silent, left)", ["how"], registry=r)
 

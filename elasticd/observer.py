@@ -105,6 +105,7 @@ class JobReader:
         self._read_at = float("-inf")
         self._warned: set[tuple[str, int]] = set()
         self.view = JobView()
+        self.round_trips: list[float] = []   # durations of successful reads, taken by the metrics
 
     def read(self) -> JobView:
         now = self._clock()
@@ -113,6 +114,7 @@ class JobReader:
         self._read_at = now
         try:
             found, _ = self._client.get_many([self._keys.state, self._drain_key, self._keys.rdzv_state])
+            self.round_trips.append(self._clock() - now)
         except EtcdError:
             self.view = JobView(self.view.job_state, self.view.drain_reason, self.view.rdzv_closed,
                                 self.view.round, ok=False)

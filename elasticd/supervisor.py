@@ -62,6 +62,7 @@ class Kind(enum.Enum):
     PUBLISH = "publish"                        # fields of this node's record; data: fields
     JOURNAL = "journal"                        # data: event, fields
     COUNT = "count"                            # a metric; data: metric, label
+    OBSERVE = "observe"                        # a histogram sample; data: metric, label, value
     MARK_COMPLETED = "mark_completed"          # the job's /state = completed
     PUBLISH_CHECKPOINT = "publish_checkpoint"  # data: step
     TOUCH_STOP_FILE = "touch_stop_file"        # the workers' coordinated-stop flag
@@ -194,6 +195,7 @@ class Memory:
     published_checkpoint: int | None = None
     ready_sent: bool = False
     hard_stop: bool = False
+    recovering: tuple[str, float] | None = None   # (what broke, since when) until the next step
 
 
 @dataclass(frozen=True)
@@ -241,7 +243,8 @@ def decide(snap: Snapshot, mem: Memory, policy: Policy) -> Decision:
 
 
 def _progress(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:
-    """Track the step; progress past the step at the last start ends a crash loop."""
+    """Track the step; progress past the step at the last start ends a crash loop, and
+    the first completed step after a fault ends its recovery (timed)."""
     if snap.step is None or snap.step == mem.step:
         return mem, [], ""
     intervals = mem.intervals
@@ -250,7 +253,21 @@ def _progress(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list
     cleared = (mem.failures and mem.step_at_start is not None and snap.step > mem.step_at_start)
     mem = replace(mem, step=snap.step, step_at=snap.now, intervals=intervals,
                   failures=() if cleared else mem.failures)
-    return mem, [], "training progressed; the crash count is reset" if cleared else ""
+    notes = ["training progressed; the crash count is reset"] if cleared else []
+    actions: list[Action] = []
+    if mem.recovering is not None and snap.progress_event in ("step", "checkpoint"):
+        kind, since = mem.recovering
+        took = round(snap.now - since, 3)
+        mem = replace(mem, recovering=None)
+        actions = [act(Kind.OBSERVE, metric="recovery_seconds", label=kind, value=took),
+                   act(Kind.JOURNAL, event="recovered", fields={"kind": kind, "duration_s": took})]
+        notes.append(f"training resumed {took:.1f} s after a {kind}")
+    return mem, actions, "; ".join(notes)
+
+
+def _recovering(mem: Memory, kind: str, now: float) -> Memory:
+    """Start timing a recovery (the first fault of a burst sets the start)."""
+    return mem if mem.recovering is not None else replace(mem, recovering=(kind, now))
 
 
 def restart_cause(now: float, membership_changed_at: float, progress_event: str | None,
@@ -276,7 +293,7 @@ def _worker_restarts(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memor
     cause = restart_cause(snap.now, mem.membership_changed_at, snap.progress_event,
                           policy.membership_window_s)
     if cause == "crash":
-        mem = replace(mem, failures=(*mem.failures, snap.now))
+        mem = _recovering(replace(mem, failures=(*mem.failures, snap.now)), "worker-crash", snap.now)
     return mem, [act(Kind.JOURNAL, event="workers-restarted", fields={"cause": cause}),
                  act(Kind.COUNT, metric="worker_restarts", label=cause)], \
         f"the agent restarted its workers after a {cause}"
@@ -449,8 +466,8 @@ def _agent_exited(snap: Snapshot, mem: Memory, policy: Policy):
                                  f"{policy.crash_loop_window_s:.0f} s (last exit code "
                                  f"{snap.agent_exit}); marking this node failed")
     delay = min(policy.backoff_initial_s * 2 ** (count - 1), policy.backoff_max_s)
-    mem = replace(mem, phase=Phase.BACKOFF, failures=(*failures, snap.now),
-                  restart_at=snap.now + delay)
+    mem = replace(_recovering(mem, "agent-crash", snap.now), phase=Phase.BACKOFF,
+                  failures=(*failures, snap.now), restart_at=snap.now + delay)
     return (mem, [act(Kind.PUBLISH, fields={"state": "backoff", "agent_pid": None}),
                   act(Kind.JOURNAL, event="agent-failed", fields={"exit_code": snap.agent_exit})],
             f"the agent exited with code {snap.agent_exit} (failure {count} of "
@@ -496,6 +513,8 @@ def _dead_peers(snap: Snapshot, mem: Memory, policy: Policy):
     first = sorted(n for n, d in mem.dead.items() if d.attempts == 0)
     tried = {n: replace(d, attempts=d.attempts + 1) for n, d in mem.dead.items()}
     mem = replace(mem, evicting={**mem.evicting, **tried}, dead={})
+    if first:
+        mem = _recovering(mem, f"peer-{tried[first[0]].how}", snap.now)
     actions = [act(Kind.EVICT, peers=tuple(d.peer for d in tried.values()))]
     actions += [act(Kind.JOURNAL, event="peer-lost", fields={"peer": n, "how": tried[n].how})
                 for n in first]
@@ -525,7 +544,7 @@ def _hang(snap: Snapshot, mem: Memory, policy: Policy):
     if stalled < bound:
         return None
     # No failure is counted here: the agent's restart of the killed workers is one.
-    mem = replace(mem, step_at=None)
+    mem = _recovering(replace(mem, step_at=None), "hang", snap.now)
     reason = (f"training hung: no step for {stalled:.0f} s (bound {bound:.0f} s) while the "
               "workers are alive; killing them to recover as from a crash")
     return mem, [act(Kind.KILL_WORKERS, pids=snap.workers),

@@ -400,3 +400,28 @@ def test_a_new_worker_group_disarms_the_hang_timer():
     mem = replace(RUNNING, step=5, step_at=T - 100)
     out = d(live(step=5, workers=frozenset({41})), mem)
     assert out.memory.step_at is None and Kind.KILL_WORKERS not in out.kinds()
+
+
+# -- recovery timing ----------------------------------------------------------------------------
+
+def test_a_recovery_is_timed_from_the_eviction_to_the_next_completed_step():
+    mem = replace(RUNNING, dead={"b": Death(B, "crashed")}, step=7)
+    evicting = d(live(step=7), mem).memory
+    assert evicting.recovering == ("peer-crashed", T)
+    restarted = d(live(now=T + 2, step=7, workers=frozenset({51})), evicting).memory
+    resumed = d(live(now=T + 3, step=7, progress_event="resumed"), restarted)
+    assert Kind.OBSERVE not in resumed.kinds()            # resumed is not a completed step
+    out = d(live(now=T + 4.5, step=8, progress_event="step", workers=frozenset({51})), resumed.memory)
+    observe = next(a for a in out.actions if a.kind is Kind.OBSERVE)
+    assert (observe["label"], observe["value"]) == ("peer-crashed", 4.5)
+    assert out.memory.recovering is None and "resumed 4.5 s after a peer-crashed" in out.reason
+
+
+def test_the_action_table_covers_every_kind():
+    from elasticd.daemon import ACTIONS, check_action_table
+
+    check_action_table()
+    partial = dict(ACTIONS)
+    del partial[Kind.EVICT]
+    with pytest.raises(RuntimeError, match="no executor for action.*evict"):
+        check_action_table(partial)
