@@ -512,7 +512,7 @@ def _dead_peers(snap: Snapshot, mem: Memory, policy: Policy):
     names = ", ".join(sorted(mem.dead))
     first = sorted(n for n, d in mem.dead.items() if d.attempts == 0)
     tried = {n: replace(d, attempts=d.attempts + 1) for n, d in mem.dead.items()}
-    mem = replace(mem, evicting={**mem.evicting, **tried}, dead={})
+    mem = replace(mem, evicting={**mem.evicting, **tried}, dead={}, membership_changed_at=snap.now)
     if first:
         mem = _recovering(mem, f"peer-{tried[first[0]].how}", snap.now)
     actions = [act(Kind.EVICT, peers=tuple(d.peer for d in tried.values()))]

@@ -409,7 +409,8 @@ def test_a_recovery_is_timed_from_the_eviction_to_the_next_completed_step():
     evicting = d(live(step=7), mem).memory
     assert evicting.recovering == ("peer-crashed", T)
     restarted = d(live(now=T + 2, step=7, workers=frozenset({51})), evicting).memory
-    resumed = d(live(now=T + 3, step=7, progress_event="resumed"), restarted)
+    assert restarted.failures == ()                        # a membership restart, not a crash
+    resumed = d(live(now=T + 3, step=7, progress_event="resumed", workers=frozenset({51})), restarted)
     assert Kind.OBSERVE not in resumed.kinds()            # resumed is not a completed step
     out = d(live(now=T + 4.5, step=8, progress_event="step", workers=frozenset({51})), resumed.memory)
     observe = next(a for a in out.actions if a.kind is Kind.OBSERVE)
