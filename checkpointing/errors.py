@@ -51,3 +51,17 @@ class CorruptCheckpointError(CheckpointError):
 
 class CheckpointNotFoundError(CheckpointError):
     """The requested checkpoint was never committed (or has been deleted by retention)."""
+
+
+class StaleGenerationError(CheckpointError):
+    """This writer's world is older than the one that owns the directory (its fence).
+
+    A worker of an evicted (e.g. paused, then woken) world must never commit: the save is
+    refused before its manifest is published. `generation` is the writer's, `fence` the
+    directory's (each an ``(epoch, number)`` pair as described in docs/checkpointing.md).
+    """
+
+    def __init__(self, message: str, *, generation: object, fence: object) -> None:
+        super().__init__(message)
+        self.generation = generation
+        self.fence = fence

@@ -26,7 +26,9 @@ from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    StaleGenerationError,
 )
+from .fence import Generation, raise_fence
 from .manifest import validate_metadata
 from .reader import LoadedCheckpoint, load_verified, read_manifest, step_dirs_newest_first
 from .retention import Cleaner, StalePolicy
@@ -87,6 +89,8 @@ class CheckpointManager:
         pin_memory: bool | None = None,
         stale_temp_seconds: float = 3600.0,
         read_only: bool = False,
+        generation: int | None = None,
+        generation_epoch: str | None = None,
     ) -> None:
         """Open (creating if needed) `directory` and remove leftovers of crashed writers.
 
@@ -96,7 +100,13 @@ class CheckpointManager:
         which an unmodified temp file of a live or remote writer counts as abandoned.
         `storage` replaces the local directory (then `directory` is only a label).
         read_only: for ranks that only load: no write probe, no cleanup, save() refused.
-        Raises CheckpointConfigError for bad values, StorageError if not writable.
+        generation, generation_epoch: the writer's world (ELASTICD_GENERATION and
+        ELASTICD_GENERATION_EPOCH, set by the etcd3 rendezvous plugin). A writer with a
+        generation raises the directory's fence to it here and every commit is refused
+        (StaleGenerationError) once a newer world has raised it further; see fence.py.
+        None: no fence is read or written (plain torchrun). Ignored when read_only.
+        Raises CheckpointConfigError for bad values, StorageError if not writable,
+        StaleGenerationError if the fence is already above `generation`.
         """
         _check_config(keep_last, stale_temp_seconds)
         if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
@@ -112,11 +122,18 @@ class CheckpointManager:
         self._job: _Job | None = None
         self._lock = threading.Lock()
         self.read_only = read_only
+        try:
+            self.generation = None if generation is None or read_only else Generation(
+                generation, generation_epoch)
+        except ValueError as exc:
+            raise CheckpointConfigError(str(exc)) from None
         policy = StalePolicy(max_age=stale_temp_seconds, me=layout.Owner.current())
         self._cleaner = Cleaner(self.storage, policy)
         if not read_only:
             self.storage.check_writable()
             self._cleaner.remove_leftovers()
+            if self.generation is not None:
+                raise_fence(self.storage, self.generation)
 
     # -- saving -----------------------------------------------------------------------
 
@@ -185,9 +202,15 @@ class CheckpointManager:
 
     def _write(self, step: int, tree: Any, world_size: int, meta: dict[str, Any]) -> None:
         started = time.monotonic()
-        manifest = write_checkpoint(
-            self.storage, step, tree, world_size=world_size, metadata=meta
-        )
+        try:
+            manifest = write_checkpoint(
+                self.storage, step, tree, world_size=world_size, metadata=meta,
+                generation=self.generation,
+            )
+        except StaleGenerationError as exc:
+            log.error("checkpoint_refused_stale_generation", step=step,
+                      generation=str(exc.generation), fence=str(exc.fence))
+            raise
         log.info(
             "checkpoint_committed", step=step, path=self.storage.describe(layout.step_dir(step)),
             bytes=sum(e.bytes for e in manifest.files.values()),

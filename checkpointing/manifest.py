@@ -6,6 +6,7 @@ A JSON object, written last and atomically into the step directory:
      "wall_time": 1700000000.5, "world_size": 4,
      "files": {"state-...pt": {"bytes": 1234, "sha256": "..."}},
      "metadata": {...user JSON...},
+     "generation": 7, "generation_epoch": "...",     only when the writer had a generation
      "manifest_sha256": "<sha256 of the canonical JSON of every other field>"}
 
 The self-checksum catches a damaged manifest that still parses (a flipped digit in the step).
@@ -51,6 +52,9 @@ class Manifest:
     files: Mapping[str, FileEntry]
     metadata: Mapping[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    # The writer's rendezvous generation (see fence.py); None: unfenced writer or old manifest.
+    generation: int | None = None
+    generation_epoch: str | None = None
 
     def to_json(self) -> bytes:
         body = {
@@ -62,6 +66,11 @@ class Manifest:
             "files": {n: {"bytes": e.bytes, "sha256": e.sha256} for n, e in self.files.items()},
             "metadata": dict(self.metadata),
         }
+        # Optional keys, written only when set: manifests without them stay byte-identical
+        # to those of earlier versions, and older readers ignore keys they do not know.
+        if self.generation is not None:
+            body["generation"] = self.generation
+            body["generation_epoch"] = self.generation_epoch
         body[_CHECKSUM_KEY] = _body_digest(body)
         return json.dumps(body, indent=1, sort_keys=True, allow_nan=False).encode() + b"\n"
 
@@ -86,6 +95,8 @@ class Manifest:
             files=_parse_files(_field(body, "files", dict, where), where),
             metadata=_field(body, "metadata", dict, where),
             format_version=FORMAT_VERSION,
+            generation=_optional(body, "generation", int, where),
+            generation_epoch=_optional(body, "generation_epoch", str, where),
         )
 
 
@@ -150,6 +161,15 @@ def _field(body: Mapping[str, Any], key: str, kind: type | tuple[type, ...], whe
         raise CorruptCheckpointError(where, f"manifest field {key!r} is missing or malformed")
     if isinstance(value, (int, float)) and (value < 0 or not math.isfinite(value)):
         raise CorruptCheckpointError(where, f"manifest field {key!r} is out of range")
+    return value
+
+
+def _optional(body: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
+    if body.get(key) is None:
+        return None
+    value = _field(body, key, kind, where)
+    if isinstance(value, str) and len(value) > 256:
+        raise CorruptCheckpointError(where, f"manifest field {key!r} is too long")
     return value
 
 

@@ -18,8 +18,10 @@ from typing import Any
 import torch
 
 from . import _hooks, layout
-from .errors import CheckpointError, StorageError
+from .errors import CheckpointError, CorruptCheckpointError, StorageError
+from .fence import Generation, check_fence
 from .manifest import FileEntry, Manifest
+from .reader import read_manifest
 from .storage import AtomicWrite, Storage
 
 
@@ -114,8 +116,14 @@ def write_checkpoint(
     world_size: int,
     metadata: Mapping[str, Any],
     clock: Callable[[], float] = time.time,
+    generation: Generation | None = None,
 ) -> Manifest:
     """Write `tree` as checkpoint `step` and commit it; returns the committed manifest.
+
+    With a `generation`, the directory's fence is checked just before the manifest is
+    written and again right after its rename: a newer world's fence makes this raise
+    StaleGenerationError, and a manifest renamed while the fence went up is taken back
+    (see fence.py). Without one, no fence is read or written.
 
     If this raises, the checkpoint may be uncommitted (it then does not exist) but every
     previously committed checkpoint is unchanged: data files always get fresh names and the
@@ -129,16 +137,46 @@ def write_checkpoint(
     manifest = Manifest(
         step=step, wall_time=clock(), world_size=world_size,
         files={data: entry}, metadata=dict(metadata),
+        generation=None if generation is None else generation.number,
+        generation_epoch=None if generation is None else generation.epoch,
     )
+    action = f"committing checkpoint step {step}"
     try:
+        if generation is not None:
+            check_fence(storage, generation, action)
+            _hooks.phase("checkpoint.fence_checked", directory)
         with storage.open_write(f"{directory}/{layout.MANIFEST_NAME}") as out:
             out.write(manifest.to_json())
             out.commit()
     except CheckpointError:
         _discard(storage, f"{directory}/{data}")
         raise
+    if generation is not None:
+        _recheck_after_commit(storage, directory, step, data, generation, action)
     _hooks.phase("checkpoint.committed", directory)
     return manifest
+
+
+def _recheck_after_commit(storage: Storage, directory: str, step: int, data: str,
+                          generation: Generation, action: str) -> None:
+    """The fence went up between the check and the rename (this writer was paused there):
+    take the manifest back if it is still ours, so no stale checkpoint stays committed."""
+    try:
+        check_fence(storage, generation, action)
+    except CheckpointError:
+        manifest_path = f"{directory}/{layout.MANIFEST_NAME}"
+        with contextlib.suppress(CheckpointError):
+            # Ours if it names our data file (fresh per save); a newer writer's manifest of
+            # the same step is left alone.
+            try:
+                ours = data in read_manifest(storage, directory, step).files
+            except CorruptCheckpointError:
+                ours = False
+            if ours:
+                storage.remove(manifest_path)
+                storage.sync_dir(directory)
+                _discard(storage, f"{directory}/{data}")
+        raise
 
 
 def _discard(storage: Storage, path: str) -> None:
