@@ -115,6 +115,11 @@ class WorkerSettings:
     progress_file: str | None = setting(str, "JSON progress record, rewritten every step")
     daemon_pid: int | None = setting(int, "exit when this process dies",
                                      check=_positive_int, expected="a positive pid")
+    generation: int | None = setting(
+        int, "rendezvous round of this world (set by the etcd3 plugin; fences checkpoint commits)",
+        check=_non_negative, expected="an integer >= 0")
+    generation_epoch: str | None = setting(
+        str, "id of the rendezvous state's lifetime the generation counts in (set by the plugin)")
 
     def __post_init__(self) -> None:
         for f in FIELDS:

@@ -30,6 +30,7 @@ import os
 import select
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,7 @@ import structlog
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousError,
+    RendezvousInfo,
     RendezvousParameters,
 )
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
@@ -227,6 +229,36 @@ class EtcdV3RendezvousHandler(dyn.DynamicRendezvousHandler):
     def use_agent_store(self) -> bool:
         return False
 
+    def next_rendezvous(self) -> RendezvousInfo:
+        """torch's rendezvous, then export this world's generation to the next workers.
+
+        ``ELASTICD_GENERATION`` is the round just completed (torch keeps ``round`` at the
+        completed round's number and moves it up when the last participant leaves, so a
+        newer world always has a larger one within one rendezvous state).
+        ``ELASTICD_GENERATION_EPOCH`` names that state's lifetime: the round restarts at 0
+        when the state is created anew (lease expired, fresh etcd), so it is an id kept in
+        the run's store (same lease as the state). torchrun builds each worker's
+        environment from a copy of ``os.environ`` when it starts the workers, right after
+        this returns. The checkpoint writer fences commits by them (checkpointing/fence.py).
+        """
+        info = super().next_rendezvous()
+        round_ = self._state_holder.state.round
+        try:
+            raw = self._store.compare_set(GENERATION_EPOCH_KEY, "", uuid.uuid4().hex)
+            epoch: str | None = raw.decode() if isinstance(raw, bytes) else str(raw)
+        except (RendezvousError, EtcdError, UnicodeDecodeError) as exc:
+            # Still fenced by the round alone; a world of another epoch replaces the fence.
+            log.warning("no generation epoch; exporting the round alone", reason=str(exc))
+            epoch = None
+        os.environ[GENERATION_ENV] = str(round_)
+        if epoch:
+            os.environ[GENERATION_EPOCH_ENV] = epoch
+        else:
+            os.environ.pop(GENERATION_EPOCH_ENV, None)
+        log.info("rendezvous generation", generation=round_, epoch=epoch,
+                 rank=info.rank, world_size=info.world_size)
+        return info
+
     def num_nodes_waiting(self) -> int:
         try:
             with no_retry():
@@ -264,6 +296,13 @@ class EtcdV3RendezvousHandler(dyn.DynamicRendezvousHandler):
             # Not fatal: the others evict this node by keep-alive (or the daemon does).
             log.warning("could not leave the rendezvous", reason=str(exc))
         return True
+
+
+# The worker-contract variables of WorkerSettings.generation / .generation_epoch.
+GENERATION_ENV = "ELASTICD_GENERATION"
+GENERATION_EPOCH_ENV = "ELASTICD_GENERATION_EPOCH"
+# In the run's store (outside torch's per-round prefixes), attached to the agents' lease.
+GENERATION_EPOCH_KEY = "elasticd.generation_epoch"
 
 
 def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:
