@@ -33,6 +33,7 @@ import numpy as np
 import structlog
 import torch
 
+from checkpointing.errors import StaleGenerationError
 from trainer import dist as tdist
 from trainer.batching import BatchPlan, micro_batches, plan_batches, shard
 from trainer.context import ElasticContext
@@ -165,13 +166,17 @@ class ElasticTrainer:
         """Train until complete (returns 0), stopped (STOP_EXIT_CODE) or failed (1)."""
         self.watchdog.start()
         self.stop.install()
+        code = FAILURE_EXIT_CODE
         try:
             self._setup()
             code = self._train()
         except tdist.CollectiveError as exc:
             code = self._on_failure(exc)
+        except StaleGenerationError as exc:
+            code = self._on_stale(exc)
         finally:
-            self._close()
+            if self._close() is not None and code != FAILURE_EXIT_CODE:
+                code = FAILURE_EXIT_CODE  # its last save was refused: not a clean end
         log.info("worker exit", exit_code=code, step=self.state.step, rank=self.ctx.rank)
         return code
 
@@ -182,16 +187,22 @@ class ElasticTrainer:
         self._resume()
         self.ddp = tdist.wrap_ddp(self.state.model, self.device, **self.config.ddp_kwargs)
 
-    def _close(self) -> None:
+    def _close(self) -> StaleGenerationError | None:
+        """Finish the in-flight save; returns its StaleGenerationError if it was refused."""
         # The stop handlers stay installed until the process exits: restoring the default
         # SIGTERM action here let the agent's SIGTERM (sent once a peer died) kill the
         # worker before it logged its exit code (seen under load in CI).
+        stale = None
         if self.checkpoints is not None:
             try:
                 self.checkpoints.close()  # an in-flight periodic save still commits
+            except StaleGenerationError as exc:
+                stale = exc
+                self._on_stale(exc)
             except Exception as exc:  # noqa: BLE001 - report, the exit code says the rest
                 log.error("checkpoint write failed", error=str(exc))
         tdist.shutdown(self.ddp)
+        return stale
 
     # -- resume --------------------------------------------------------------------------
 
@@ -204,8 +215,12 @@ class ElasticTrainer:
         from checkpointing import CheckpointManager  # only when checkpoints are used
 
         # One writer: rank 0. The others only load, and must not clean up rank 0's files.
+        # Rank 0 of generation g raises the directory's fence to g here (after the process
+        # group is up) and its commits are refused once a newer world raises it further.
         self.checkpoints = CheckpointManager(directory, keep_last=self.ctx.keep_last,
-                                             read_only=not self.ctx.is_rank0)
+                                             read_only=not self.ctx.is_rank0,
+                                             generation=self.ctx.generation,
+                                             generation_epoch=self.ctx.generation_epoch)
 
     def _resume(self) -> None:
         """All ranks load the step rank 0 chose, then apply the LR for this world."""
@@ -365,6 +380,14 @@ class ElasticTrainer:
             # rank 0 can keep the steps done since the last periodic checkpoint.
             with contextlib.suppress(Exception):
                 self._commit_final("failure")
+        return FAILURE_EXIT_CODE
+
+    def _on_stale(self, exc: StaleGenerationError) -> int:
+        """A newer world owns the checkpoint directory: this worker is stale; it exits, and
+        nothing of it was committed (the fence refused the manifest)."""
+        log.error("stale worker: a newer generation owns the checkpoint directory; exiting "
+                  "without committing", step=self.state.step, generation=str(exc.generation),
+                  fence=str(exc.fence), rank=self.ctx.rank)
         return FAILURE_EXIT_CODE
 
     def _report(self, event: str, **fields: Any) -> None:
