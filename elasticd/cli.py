@@ -61,6 +61,15 @@ def status(config_path: str, as_json: bool, events: int) -> None:
 
 @main.command()
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
+def doctor(config_path: str) -> None:
+    """Preflight before joining a node: one ok/warn/FAIL line per check; exit 1 on a FAIL."""
+    from elasticd.doctor import exit_code, run_doctor
+
+    sys.exit(exit_code(run_doctor(config_path, echo=click.echo)))
+
+
+@main.command()
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
 @click.option("--node", "node_id", default=None, help="Node to drain (default: this config's node).")
 @click.option("--reason", default="", help="Recorded in the node's log and the job journal.")
 def drain(config_path: str, node_id: str | None, reason: str) -> None:
