@@ -61,6 +61,33 @@ def status(config_path: str, as_json: bool, events: int) -> None:
 
 @main.command()
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
+@click.option("--out", "out_path", default=None, type=click.Path(dir_okay=False),
+              help="Draw the timeline into this PNG.")
+@click.option("--json", "as_json", is_flag=True, help="Print the timeline as JSON.")
+@click.option("--limit", default=100_000, show_default=True,
+              help="Read at most this many of the newest journal entries.")
+def timeline(config_path: str, out_path: str | None, as_json: bool, limit: int) -> None:
+    """The job's history from its etcd journal: nodes, faults, recoveries, steps."""
+    from pathlib import Path
+
+    from elasticd.timeline import draw_timeline, format_timeline, read_timeline
+
+    try:
+        result = read_timeline(_load(config_path), limit,
+                               warn=lambda line: click.echo(f"warning: {line}", err=True))
+    except (ElasticdError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    if out_path:
+        draw_timeline(result, Path(out_path))
+        click.echo(f"timeline drawn to {out_path}", err=as_json)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    elif not out_path:
+        click.echo(format_timeline(result))
+
+
+@main.command()
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
 def doctor(config_path: str) -> None:
     """Preflight before joining a node: one ok/warn/FAIL line per check; exit 1 on a FAIL."""
     from elasticd.doctor import exit_code, run_doctor
