@@ -128,7 +128,7 @@ class Daemon:
         self.scanner = CheckpointScanner(self.config.checkpoint.dir).start()
         self.prober = Prober(self.membership.peers, self.config.node.probe_interval_s).start()
         with deadline(CYCLE_DEADLINE_S):
-            self.journal.record("node-joined")
+            self._record("node-joined")
         self._start_preemption_watcher()
         if self.config.metrics.port:
             self.metrics.serve(self.config.metrics.addr, self.config.metrics.port)
@@ -219,7 +219,7 @@ class Daemon:
             refused=tuple(p.view() for p in self.prober.take_refused()),
             departed=tuple(p.view() for p in self.membership.take_departed()),
             confirmations=self.prober.take_confirmations(),
-            eviction=eviction, checkpoint_step=self.scanner.step)
+            eviction=eviction, checkpoint_step=self.scanner.step, rank0_here=progress.rank == 0)
 
     def _execute(self, action: Action) -> None:
         try:
@@ -304,7 +304,7 @@ class Daemon:
         pid = self.agent.start()
         self.metrics.agent_starts.inc()
         self.membership.update(state="running", agent_pid=pid)
-        self.journal.record("agent-started", agent_pid=pid)
+        self._record("agent-started", agent_pid=pid)
 
     def _terminate_agent(self, action: Action) -> None:
         """SIGTERM the agent and its workers (no wait: the drain's timer kills later)."""
@@ -373,10 +373,13 @@ class Daemon:
         self.membership.update(**action["fields"])
 
     def _journal(self, action: Action) -> None:
+        self._record(action["event"], **action["fields"])
+
+    def _record(self, event: str, **fields: Any) -> None:
         # Every entry carries where training stood, so a timeline can be drawn from the journal.
         p = self.progress.progress
-        self.journal.record(action["event"], **{"step": p.step, "world_size": p.world_size,
-                                                "round": self.jobs.view.round, **action["fields"]})
+        self.journal.record(event, **{"step": p.step, "world_size": p.world_size,
+                                      "round": self.jobs.view.round, **fields})
 
     def _count(self, action: Action) -> None:
         metric = getattr(self.metrics, action["metric"])

@@ -25,7 +25,8 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
@@ -112,6 +113,8 @@ class Membership:
         self.node_id = node_id
         self._record = dict(record, node_id=node_id)
         self._dirty = True
+        # Our recent writes: an event with any other value on our key is someone else's.
+        self._published: deque[bytes] = deque(maxlen=16)
         self._lease = LeaseKeeper(client, ttl_s, on_renewed=self._reattach, name="node")
         self._clock = clock
         self._lock = threading.Lock()
@@ -155,6 +158,7 @@ class Membership:
             self._dirty = True
         self._client.put(self._keys.node(self.node_id), value, lease=self._lease.id)
         with self._lock:
+            self._published.append(value)
             if json.loads(value) == self._record:
                 self._dirty = False
 
@@ -234,7 +238,11 @@ class Membership:
 
     def _apply(self, event: WatchEvent) -> None:
         node_id = event.key.rsplit("/", 1)[-1]
-        if node_id == self.node_id or event.mod_revision <= self._view_revision:
+        if event.mod_revision <= self._view_revision:
+            return
+        if node_id == self.node_id:
+            if event.deleted or event.value not in self._published:
+                self._dirty = True   # someone else wrote or deleted our record: restore it
             return
         if event.deleted:
             gone = self._peers.pop(node_id, None)
@@ -244,6 +252,11 @@ class Membership:
         peer = parse_record(node_id, event.value, event.mod_revision)
         if peer is not None:
             self._peers[node_id] = peer
+        elif node_id in self._peers:
+            # Garbage over a known peer's record: keep what we knew of it, but fence on the
+            # key's new revision, or its crash could never be acted on (a fenced delete
+            # against the old revision would fail for ever).
+            self._peers[node_id] = replace(self._peers[node_id], mod_revision=event.mod_revision)
 
     def _peer(self, kv: KeyValue) -> Peer | None:
         return parse_record(kv.key.rsplit("/", 1)[-1], kv.value, kv.mod_revision)

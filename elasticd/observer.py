@@ -37,17 +37,19 @@ class Progress:
     world_size: int | None = None
     event: str | None = None
     restart_count: int | None = None
+    rank: int | None = None          # the global rank of the node's local rank 0
 
 
 def parse_progress(raw: Any) -> Progress | None:
     if not isinstance(raw, dict):
         return None
-    step, world, event, restarts = (raw.get(k) for k in ("step", "world_size", "event", "restart_count"))
-    if not all(v is None or type(v) is int for v in (step, world, restarts)):
+    step, world, event, restarts, rank = (raw.get(k) for k in (
+        "step", "world_size", "event", "restart_count", "rank"))
+    if not all(v is None or type(v) is int for v in (step, world, restarts, rank)):
         return None
     if event is not None and not isinstance(event, str):
         return None
-    return Progress(step, world, event, restarts)
+    return Progress(step, world, event, restarts, rank)
 
 
 class ProgressReader:

@@ -108,6 +108,8 @@ class Policy:
     hang_timeout_s: float = 0.0
     hang_floor_s: float = 120.0
     hang_factor: float = 20.0
+    # The rank-0 node journals a progress point this often (timelines of real jobs).
+    progress_every_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,7 @@ class Snapshot:
     confirmations: Mapping[str, str] = field(default_factory=dict)  # node -> alive|refused|silent
     eviction: Eviction | None = None
     checkpoint_step: int | None = None     # newest committed checkpoint (background scan)
+    rank0_here: bool = False               # this node's workers include global rank 0
 
 
 @dataclass(frozen=True)
@@ -196,6 +199,8 @@ class Memory:
     ready_sent: bool = False
     hard_stop: bool = False
     recovering: tuple[str, float] | None = None   # (what broke, since when) until the next step
+    refused_at: Mapping[str, float] = field(default_factory=dict)  # last refused probe per peer
+    journaled_at: float = float("-inf")    # last periodic progress entry
 
 
 @dataclass(frozen=True)
@@ -211,6 +216,9 @@ class Decision:
     def kinds(self) -> list[Kind]:
         return [a.kind for a in self.actions]
 
+
+# A refused probe this recent classifies a vanished peer as crashed without a confirmation.
+REFUSED_FRESH_S = 2.0
 
 # A bookkeeping step or a phase rule: (snapshot, memory, policy) -> (memory, actions, sentence).
 Step = Callable[[Snapshot, Memory, Policy], tuple[Memory, list[Action], str]]
@@ -260,7 +268,7 @@ def _progress(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list
         took = round(snap.now - since, 3)
         mem = replace(mem, recovering=None)
         actions = [act(Kind.OBSERVE, metric="recovery_seconds", label=kind, value=took),
-                   act(Kind.JOURNAL, event="recovered", fields={"kind": kind, "duration_s": took})]
+                   act(Kind.JOURNAL, event="recovered", fields={"fault": kind, "duration_s": took})]
         notes.append(f"training resumed {took:.1f} s after a {kind}")
     return mem, actions, "; ".join(notes)
 
@@ -303,11 +311,16 @@ def _peer_news(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, lis
     """Refused probes, vanished records, confirmations and new peers."""
     actions = [act(Kind.DELETE_PEER, peer=p) for p in snap.refused]
     notes = [f"peer {p.node_id} refused its liveness probe" for p in snap.refused]
+    refused_at = {n: t for n, t in mem.refused_at.items() if snap.now - t < REFUSED_FRESH_S}
+    refused_at.update({p.node_id: snap.now for p in snap.refused})
     suspects = dict(mem.suspects)
     dead = dict(mem.dead)
     for peer in snap.departed:
         if peer.state in ("leaving", "completed", "failed"):
             dead[peer.node_id] = Death(peer, "left")
+        elif peer.node_id in refused_at:
+            # We saw it refuse its probe moments ago: a crash, no need to ask again.
+            dead[peer.node_id] = Death(peer, "crashed")
         else:
             suspects[peer.node_id] = (peer, snap.now)
             actions.append(act(Kind.CONFIRM_PEER, peer=peer))
@@ -323,7 +336,7 @@ def _peer_news(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, lis
             dead[node_id] = Death(peer, "crashed" if answer == "refused" else "silent")
     seen = frozenset(snap.peers)
     changed = snap.departed or (seen - mem.peers_seen)
-    mem = replace(mem, suspects=suspects, dead=dead, peers_seen=seen,
+    mem = replace(mem, suspects=suspects, dead=dead, peers_seen=seen, refused_at=refused_at,
                   membership_changed_at=snap.now if changed else mem.membership_changed_at)
     return mem, actions, "; ".join(notes)
 
@@ -369,10 +382,23 @@ def _kill_due(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list
 
 
 def _checkpoint(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:
+    """Publish a newly committed checkpoint; the rank-0 node also journals it (once per job)."""
     step = snap.checkpoint_step
     if step is None or step == mem.published_checkpoint:
         return mem, [], ""
-    return replace(mem, published_checkpoint=step), [act(Kind.PUBLISH_CHECKPOINT, step=step)], ""
+    actions = [act(Kind.PUBLISH_CHECKPOINT, step=step)]
+    if snap.rank0_here:
+        actions.append(act(Kind.JOURNAL, event="checkpoint-committed", fields={"checkpoint": step}))
+    return replace(mem, published_checkpoint=step), actions, ""
+
+
+def _journal_progress(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:
+    """The rank-0 node journals where training stands every ``progress_every_s``: the
+    points of a job's timeline between events (one writer per job, not one per node)."""
+    if (not snap.rank0_here or snap.step is None or mem.phase is not Phase.RUNNING
+            or snap.now - mem.journaled_at < policy.progress_every_s):
+        return mem, [], ""
+    return replace(mem, journaled_at=snap.now), [act(Kind.JOURNAL, event="progress", fields={})], ""
 
 
 def _signals(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:
@@ -385,7 +411,7 @@ def _signals(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[
 
 
 _BOOKKEEPING: tuple[Step, ...] = (_signals, _progress, _worker_restarts, _peer_news,
-                                  _eviction_outcome, _kill_due, _checkpoint)
+                                  _eviction_outcome, _kill_due, _checkpoint, _journal_progress)
 
 
 # -- phase rules (first match wins) ----------------------------------------------------

@@ -7,6 +7,7 @@ killed torchrun agent are re-parented here and the leak check can still see
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import pytest
@@ -82,4 +83,7 @@ def job_id(request) -> str:
     """A job id unique to the test, so tests sharing one etcd never see each other."""
     name = request.node.name.lower()
     safe = "".join(c if c.isalnum() else "-" for c in name)[:40].strip("-")
-    return f"{safe}-{os.getpid()}"
+    # The name is cut, so parametrized tests with long names would share an id: add a
+    # digest of the whole test id.
+    digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:8]
+    return f"{safe}-{digest}-{os.getpid()}"

@@ -102,11 +102,6 @@ def test_timeline_json_shows_the_crash_and_the_rejoin(crash_and_rejoin):
     assert tl["warnings"] == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the daemon never journals `recovered`: supervisor._progress passes fields "
-    "{'kind': ..., 'duration_s': ...} and Daemon._journal calls Journal.record(event, "
-    "**fields), so record() gets two values for `kind` (TypeError, logged as "
-    "'action failed'); the fault's kind needs another field name (the timeline reads `fault`)"))
 def test_timeline_json_shows_the_recovery(crash_and_rejoin):
     tl = json.loads(crash_and_rejoin["json"].stdout)
     recoveries = [r for r in tl["recoveries"] if r["kind"] == "peer-crashed"]

@@ -6,6 +6,7 @@
 ``/elasticd/<job>/checkpoint/latest``   newest committed checkpoint (hint)
 ``/elasticd/<job>/events/<ts>-<node>``  lifecycle journal
 ``/elasticd/<job>/drain/<node-id>``     a drain request from ``elasticd drain``
+``/elasticd/<job>/doctor/<node-id>``    ``elasticd doctor``'s record (checkpoint dir id, clock)
 ``/elasticd/<job>/state``               running | completed | failed
 """
 

@@ -185,6 +185,14 @@ def test_a_confirmation_classifies_the_death_and_evicts(answer, how):
     assert out.reason.startswith("peer(s) b lost; evicting them")
 
 
+def test_a_vanished_peer_that_just_refused_its_probe_is_a_crash_at_once():
+    refused = d(live(refused=(B,))).memory
+    out = d(live(now=T + 0.3, departed=(B,)), refused)
+    assert out.kinds()[0] is Kind.EVICT and out.memory.evicting["b"].how == "crashed"
+    stale = d(live(now=T + 2.5, departed=(B,)), refused)
+    assert stale.kinds() == [Kind.CONFIRM_PEER]
+
+
 def test_a_vanished_peer_that_answers_is_left_alone():
     suspect = d(live(departed=(B,))).memory
     out = d(live(now=T + 0.2, confirmations={"b": "alive"}), suspect)
@@ -426,3 +434,14 @@ def test_the_action_table_covers_every_kind():
     del partial[Kind.EVICT]
     with pytest.raises(RuntimeError, match="no executor for action.*evict"):
         check_action_table(partial)
+
+
+def test_the_rank0_node_journals_progress_and_checkpoints():
+    out = d(live(step=5, rank0_here=True, checkpoint_step=4))
+    events = [a["event"] for a in out.actions if a.kind is Kind.JOURNAL]
+    assert events == ["checkpoint-committed", "progress"]
+    assert d(live(now=T + 10, step=6, rank0_here=True, checkpoint_step=4), out.memory).actions == ()
+    later = d(live(now=T + 30, step=9, rank0_here=True, checkpoint_step=4), out.memory)
+    assert [a["event"] for a in later.actions if a.kind is Kind.JOURNAL] == ["progress"]
+    other = d(live(step=5, checkpoint_step=4))
+    assert [a.kind for a in other.actions] == [Kind.PUBLISH_CHECKPOINT]
