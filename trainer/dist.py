@@ -122,11 +122,6 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device, **ddp_kwargs) -> Dist
     return DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside a DDP wrapper (what checkpoints store)."""
-    return model.module if isinstance(model, DistributedDataParallel) else model
-
-
 def step_boundary(stop: bool, loss_sum: float, device: torch.device) -> tuple[bool, float]:
     """The one small collective per step: did any rank ask to stop, and the global loss sum.
 
