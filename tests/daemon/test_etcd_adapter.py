@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+from structlog.testing import capture_logs
 
 from elasticd import proctree
 from elasticd.errors import ConfigError, EtcdError, EtcdUnavailable
@@ -75,6 +76,16 @@ def test_reauthentication_keeps_the_channel_other_threads_hold(auth_etcd):
         held.get("/elasticd/held")     # a closed channel would raise ValueError here
     finally:
         client.close()
+
+
+def test_a_password_over_plaintext_draws_a_warning(auth_etcd):
+    with capture_logs() as logs:
+        client = EtcdClient(EtcdSettings(endpoints=(auth_etcd.endpoint,), user="root",
+                                         password="rootpw"))
+    client.close()
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    assert any("over plaintext" in e["event"] for e in warnings), logs
+    assert not any("rootpw" in str(e) for e in logs)
 
 
 def test_a_call_on_a_closed_channel_is_translated(etcd_server):
