@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from elasticd import proctree
 from elasticd.embedded_etcd import ETCD_BIN_ENV, EmbeddedEtcd, etcd_version, find_etcd_binary
+from elasticd.etcd_client import EtcdClient, EtcdSettings
+from elasticd.rendezvous.keys import JobKeys
 
 proctree.become_subreaper()
 
@@ -54,6 +58,39 @@ def fresh_etcd():
     server = EmbeddedEtcd().start()
     yield server
     server.stop()
+
+
+def etcdctl(server: EmbeddedEtcd, *args: str, user: str | None = None) -> None:
+    """Run etcdctl (the one shipped beside the server) against ``server``."""
+    binary = str(Path(server.binary).with_name("etcdctl"))
+    auth = [f"--user={user}"] if user else []
+    subprocess.run([binary, f"--endpoints={server.endpoint}", *auth, *args], check=True,
+                   capture_output=True, env={"ETCDCTL_API": "3"}, timeout=30)
+
+
+@pytest.fixture
+def auth_etcd(fresh_etcd):
+    """A private etcd with auth on: user root, password rootpw."""
+    etcdctl(fresh_etcd, "user", "add", "root:rootpw")
+    etcdctl(fresh_etcd, "auth", "enable")
+    return fresh_etcd
+
+
+def connect(server: EmbeddedEtcd, retry_s: float = 10.0) -> EtcdClient:
+    return EtcdClient(EtcdSettings(endpoints=(server.endpoint,), retry_s=retry_s))
+
+
+@pytest.fixture
+def client(etcd_server):
+    """A client of the session's etcd."""
+    c = connect(etcd_server)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def keys(job_id) -> JobKeys:
+    return JobKeys(job_id)
 
 
 @pytest.fixture(autouse=True)

@@ -17,8 +17,9 @@ from click.testing import CliRunner
 
 from elasticd import doctor
 from elasticd.cli import main
-from elasticd.embedded_etcd import EmbeddedEtcd, free_port
+from elasticd.embedded_etcd import free_port
 from elasticd.etcd_client import EtcdClient, EtcdSettings
+from tests.conftest import etcdctl
 
 
 def write_config(tmp_path: Path, endpoint: str, job_id: str, node: str = "node-a",
@@ -113,22 +114,15 @@ def test_unreachable_etcd_names_the_endpoints_and_fails_fast(job_id, tmp_path):
     assert doctor.exit_code(checks) == 1
 
 
-def _etcdctl(server: EmbeddedEtcd, *args: str, user: str | None = None) -> None:
-    etcdctl = str(Path(server.binary).with_name("etcdctl"))
-    auth = [f"--user={user}"] if user else []
-    subprocess.run([etcdctl, f"--endpoints={server.endpoint}", *auth, *args], check=True,
-                   capture_output=True, env={"ETCDCTL_API": "3"}, timeout=30)
-
-
 @pytest.fixture
-def auth_etcd(fresh_etcd):
-    _etcdctl(fresh_etcd, "user", "add", "root:rootpw")
-    _etcdctl(fresh_etcd, "user", "add", "elasticd-other:otherpw")
-    _etcdctl(fresh_etcd, "role", "add", "elasticd-other")
-    _etcdctl(fresh_etcd, "role", "grant-permission", "elasticd-other", "--prefix=true", "readwrite",
+def doctor_auth_etcd(fresh_etcd):
+    etcdctl(fresh_etcd, "user", "add", "root:rootpw")
+    etcdctl(fresh_etcd, "user", "add", "elasticd-other:otherpw")
+    etcdctl(fresh_etcd, "role", "add", "elasticd-other")
+    etcdctl(fresh_etcd, "role", "grant-permission", "elasticd-other", "--prefix=true", "readwrite",
              "/elasticd/other-job/")
-    _etcdctl(fresh_etcd, "user", "grant-role", "elasticd-other", "elasticd-other")
-    _etcdctl(fresh_etcd, "auth", "enable")
+    etcdctl(fresh_etcd, "user", "grant-role", "elasticd-other", "elasticd-other")
+    etcdctl(fresh_etcd, "auth", "enable")
     return fresh_etcd
 
 
@@ -136,8 +130,8 @@ def auth_extra(user: str, password: str) -> str:
     return f'user = "{user}"\npassword = "{password}"\n'
 
 
-def test_bad_credentials_and_missing_permission(auth_etcd, job_id, tmp_path):
-    wrong = write_config(tmp_path, auth_etcd.endpoint, job_id, extra=auth_extra("root", "wrong"),
+def test_bad_credentials_and_missing_permission(doctor_auth_etcd, job_id, tmp_path):
+    wrong = write_config(tmp_path, doctor_auth_etcd.endpoint, job_id, extra=auth_extra("root", "wrong"),
                          name="wrong.toml")
     code, lines = run(wrong)
     assert code == 1
@@ -148,7 +142,7 @@ def test_bad_credentials_and_missing_permission(auth_etcd, job_id, tmp_path):
     # Plaintext credentials are worth a warning line, not a log line between the checks.
     assert any(line.startswith("warn") and "plaintext" in line for line in lines), lines
 
-    other = write_config(tmp_path, auth_etcd.endpoint, job_id,
+    other = write_config(tmp_path, doctor_auth_etcd.endpoint, job_id,
                          extra=auth_extra("elasticd-other", "otherpw"), name="other.toml")
     code, lines = run(other)
     assert code == 1
@@ -158,12 +152,12 @@ def test_bad_credentials_and_missing_permission(auth_etcd, job_id, tmp_path):
                                 f"under /elasticd/{job_id}/"), failed[0]
     assert "setup-auth.sh" in failed[0]
 
-    anonymous = write_config(tmp_path, auth_etcd.endpoint, job_id, name="anonymous.toml")
+    anonymous = write_config(tmp_path, doctor_auth_etcd.endpoint, job_id, name="anonymous.toml")
     code, lines = run(anonymous)
     assert code == 1
     assert "no [etcd] user is set" in "\n".join(lines_with(lines, "FAIL"))
 
-    good = write_config(tmp_path, auth_etcd.endpoint, job_id, extra=auth_extra("root", "rootpw"),
+    good = write_config(tmp_path, doctor_auth_etcd.endpoint, job_id, extra=auth_extra("root", "rootpw"),
                         name="good.toml")
     code, lines = run(good)
     assert code == 0 and not lines_with(lines, "FAIL"), lines

@@ -20,14 +20,6 @@ from elasticd import proctree
 from elasticd.errors import ConfigError, EtcdError, EtcdUnavailable
 from elasticd.etcd_client import EtcdClient, EtcdSettings, no_retry
 from elasticd.observer import CheckpointScanner
-from tests.rendezvous.test_errors_and_security import _etcdctl
-
-
-@pytest.fixture
-def auth_etcd(fresh_etcd):
-    _etcdctl(fresh_etcd, "user", "add", "root:rootpw")
-    _etcdctl(fresh_etcd, "auth", "enable")
-    return fresh_etcd
 
 
 def test_threads_sharing_a_client_survive_reauthentication(auth_etcd):

@@ -6,18 +6,9 @@ from __future__ import annotations
 import json
 import time
 
-import pytest
-
 from elasticd.etcd_client import EtcdClient, EtcdSettings
 from elasticd.journal import Journal, recent_events
 from elasticd.rendezvous.keys import JobKeys
-
-
-@pytest.fixture
-def client(etcd_server):
-    c = EtcdClient(EtcdSettings(endpoints=(etcd_server.endpoint,), retry_s=5))
-    yield c
-    c.close()
 
 
 def kinds(client: EtcdClient, keys: JobKeys) -> list[str]:

@@ -13,15 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from elasticd.cli import main
-from elasticd.etcd_client import EtcdClient, EtcdSettings
 from elasticd.rendezvous.keys import JobKeys
-
-
-@pytest.fixture
-def client(etcd_server):
-    c = EtcdClient(EtcdSettings(endpoints=(etcd_server.endpoint,), retry_s=5))
-    yield c
-    c.close()
 
 
 @pytest.fixture

@@ -40,18 +40,6 @@ class _Evil:
         return (open, (self.marker, "w"))
 
 
-@pytest.fixture
-def client(etcd_server):
-    c = EtcdClient(EtcdSettings(endpoints=(etcd_server.endpoint,), retry_s=30))
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def keys(job_id):
-    return JobKeys(job_id)
-
-
 # -- reopen ------------------------------------------------------------------------------
 
 def test_reopen_if_closed_reopens_once(client, keys):

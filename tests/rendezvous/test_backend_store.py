@@ -11,23 +11,18 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 
-from elasticd.etcd_client import EtcdClient, EtcdSettings
 from elasticd.lease import LeaseKeeper
 from elasticd.rendezvous.backend import EtcdV3RendezvousBackend
-from elasticd.rendezvous.keys import JobKeys
 from elasticd.rendezvous.store import EtcdV3Store
+from tests.conftest import connect
 
 
 @pytest.fixture
 def client(any_etcd):
-    c = EtcdClient(EtcdSettings(endpoints=(any_etcd.endpoint,), retry_s=5))
+    """Every etcd version here, not only the session's."""
+    c = connect(any_etcd, retry_s=5)
     yield c
     c.close()
-
-
-@pytest.fixture
-def keys(job_id):
-    return JobKeys(job_id)
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from elasticd.rendezvous import handler
-from tests.rendezvous.test_errors_and_security import _etcdctl, auth_etcd  # noqa: F401 (fixture)
 
 PROBE = Path(__file__).with_name("env_probe_worker.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -100,7 +99,7 @@ def test_parse_params_takes_the_stdin_credentials(monkeypatch):
     assert (settings.user, settings.password) == ("from-stdin", "pw")
 
 
-def test_torchrun_workers_never_see_the_credentials(auth_etcd, tmp_path, job_id):  # noqa: F811
+def test_torchrun_workers_never_see_the_credentials(auth_etcd, tmp_path, job_id):
     """A real agent against an etcd with auth on, given the password on stdin only."""
     password = "rootpw"   # auth_etcd's root password
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_ETCD")}

@@ -68,19 +68,6 @@ def test_second_endpoint_is_used_when_the_first_is_down(etcd_server):
     client.close()
 
 
-def _etcdctl(server: EmbeddedEtcd, *args: str) -> None:
-    etcdctl = str(Path(server.binary).with_name("etcdctl"))
-    subprocess.run([etcdctl, f"--endpoints={server.endpoint}", *args], check=True,
-                   capture_output=True, env={"ETCDCTL_API": "3"})
-
-
-@pytest.fixture
-def auth_etcd(fresh_etcd):
-    _etcdctl(fresh_etcd, "user", "add", "root:rootpw")
-    _etcdctl(fresh_etcd, "auth", "enable")
-    return fresh_etcd
-
-
 def test_auth_failure_is_an_auth_error(auth_etcd):
     with pytest.raises(EtcdAuthError, match="rejected the credentials"):
         EtcdClient(EtcdSettings(endpoints=(auth_etcd.endpoint,), user="root", password="wrong"))
