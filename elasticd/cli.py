@@ -121,30 +121,40 @@ def drain(config_path: str, node_id: str | None, reason: str) -> None:
 
 
 @main.command()
-@click.option("--steps", default=400, show_default=True, help="Training steps of the whole job.")
-@click.option("--crash-at", default=120, show_default=True, help="Step at which a node is SIGKILLed.")
-@click.option("--rejoin-after", default=15.0, show_default=True,
-              help="Seconds after the crash before the node is restarted.")
-@click.option("--out", "out_dir", default="elasticd-demo", show_default=True,
-              type=click.Path(file_okay=False), help="Where the summary and the PNG go.")
-def demo(steps: int, crash_at: int, rejoin_after: float, out_dir: str) -> None:
-    """Run a 3-node elastic job on this machine, crash a node, watch it recover."""
+@click.option("--crash-at", default=30, show_default=True,
+              help="Step of the world of 3 at which a node is SIGKILLed.")
+@click.option("--rejoin-after", default=1.0, show_default=True,
+              help="Seconds of training at world size 2 before the crashed node is restarted.")
+@click.option("--drain-after", default=2.0, show_default=True,
+              help="Seconds at world size 3 again before another node is drained.")
+@click.option("--stop-after", default=1.5, show_default=True,
+              help="Seconds of training after the last recovery before each part ends.")
+@click.option("--step-sleep", default=0.05, show_default=True, help="Seconds each training step sleeps.")
+@click.option("--compare/--no-compare", default=True, show_default=True,
+              help="Also run plain torchrun (c10d, tuned) through the same crash.")
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
+              help="Where the summary and the PNG go  [default: ~/elasticd-demo]")
+def demo(crash_at: int, rejoin_after: float, drain_after: float, stop_after: float,
+         step_sleep: float, compare: bool, out_dir: str | None) -> None:
+    """Run a 3-node elastic job on this machine: crash, rejoin, drain; torchrun beside it."""
     from pathlib import Path
 
-    from elasticd.demo import Demo, format_summary
+    from elasticd.demo import Demo, Settings, format_summary
 
-    if not 0 < crash_at < steps:
-        raise click.BadParameter(f"--crash-at {crash_at} must be between 0 and --steps {steps}")
+    if crash_at < 1:
+        raise click.BadParameter(f"--crash-at {crash_at} must be at least 1")
+    out = Path(out_dir).expanduser() if out_dir else Path.home() / "elasticd-demo"
     started = time.monotonic()
 
     def say(text: str) -> None:
         click.echo(f"[{time.monotonic() - started:6.1f} s] {text}")
 
+    settings = Settings(crash_at=crash_at, rejoin_after=rejoin_after, drain_after=drain_after,
+                        stop_after=stop_after, step_sleep=step_sleep, compare=compare)
     try:
-        summary = Demo(Path(out_dir), steps, crash_at, rejoin_after, say).run()
+        result = Demo(out, settings, say).run()
     except KeyboardInterrupt:
         raise click.ClickException("interrupted; every process and temp file was removed") from None
     except (ElasticdError, TimeoutError) as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo("\n" + format_summary(summary))
-    sys.exit(0 if summary.completed else 1)
+    click.echo("\n" + format_summary(result))
