@@ -105,7 +105,7 @@ MILESTONES = ("worker_error", "worker_stop", "old_worker_exit", "probe_refused",
 FIRST: dict[str, Callable[[str, dict], bool]] = {
     "worker_error": lambda e, r: e.startswith("collective failed"),
     "worker_stop": lambda e, r: e == "coordinated stop",
-    "probe_refused": lambda e, r: e.startswith("peer refused its liveness probe"),
+    "probe_refused": lambda e, r: "refused its liveness probe" in e,
     "peer_lost": lambda e, r: e.startswith("peer(s) ") and " lost" in e,
     "evicted": lambda e, r: e == "evicted lost peers",
 }
