@@ -108,7 +108,7 @@ class Daemon:
         self._connect()
         try:
             while not self.memory.phase.final:
-                self.cycle()
+                self._cycle_guarded()
                 time.sleep(TICK_S)
         finally:
             self._shutdown()
@@ -179,6 +179,14 @@ class Daemon:
             self.watchdog.maybe_ping(self.notifier)
 
     # -- one cycle ---------------------------------------------------------------------
+
+    def _cycle_guarded(self) -> None:
+        """A cycle that raised (a bug) is logged and retried next tick, without a watchdog
+        beat: training goes on, and a loop that keeps failing is restarted by systemd."""
+        try:
+            self.cycle()
+        except Exception:
+            self.log.exception("daemon cycle failed; retrying at the next tick")
 
     def cycle(self) -> Decision:
         started = self.clock()
