@@ -242,7 +242,7 @@ def decide(snap: Snapshot, mem: Memory, policy: Policy) -> Decision:
             mem, more, note = out
             actions += more
             if note:
-                notes.append(note)
+                notes.insert(0, note)   # the phase decision leads the sentence
             break
     return Decision(mem, tuple(actions), "; ".join(notes))
 

@@ -140,6 +140,6 @@ def test_a_peer_crash_during_an_etcd_freeze_recovers_once_etcd_returns(fresh_etc
     recovered_s = time.monotonic() - thawed
     print(f"survivor stepping again {recovered_s:.1f} s after etcd returned")
     events = [e["event"] for e in a.daemon_events()]
-    assert any(e.startswith("peer(s) b lost") for e in events), events
+    assert any("peer(s) b lost" in e for e in events), events
     pings["a"].drain()
     assert a.running()

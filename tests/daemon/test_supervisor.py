@@ -193,6 +193,13 @@ def test_a_vanished_peer_that_just_refused_its_probe_is_a_crash_at_once():
     assert stale.kinds() == [Kind.CONFIRM_PEER]
 
 
+def test_the_phase_decision_leads_the_sentence():
+    refused = d(live(refused=(B,))).memory
+    out = d(live(now=T + 0.3, departed=(B,), refused=(B,)), refused)
+    assert out.reason.startswith("peer(s) b lost; evicting them")
+    assert out.reason.endswith("peer b refused its liveness probe")
+
+
 def test_a_vanished_peer_that_answers_is_left_alone():
     suspect = d(live(departed=(B,))).memory
     out = d(live(now=T + 0.2, confirmations={"b": "alive"}), suspect)
