@@ -61,14 +61,18 @@ def _assert_no_traceback(node: DaemonNode) -> None:
     assert not bad, bad
 
 
-def test_malformed_values_are_ignored_and_the_job_goes_on(tmp_path, job_id, etcd_server, cluster):
-    nodes, client = cluster
-    keys = JobKeys(job_id)
+def _world_of_two(nodes: list, etcd_server, job_id: str, tmp_path) -> list[DaemonNode]:
     for name in "ab":
         node = DaemonNode(name, etcd_server.endpoint, job_id, tmp_path, {"min_nodes": 1, "max_nodes": 2})
         nodes.append(node.start())
-    a, b = nodes
     wait_for(lambda: stepping_at(nodes, 2, 0), 120, "world of 2", nodes)
+    return nodes
+
+
+def test_malformed_values_are_ignored_and_the_job_goes_on(tmp_path, job_id, etcd_server, cluster):
+    nodes, client = cluster
+    keys = JobKeys(job_id)
+    a, b = _world_of_two(nodes, etcd_server, job_id, tmp_path)
 
     # /state: not JSON, JSON but not an object, an object whose state is not a string.
     # Read once a second; each value is waited for, so none is overwritten unseen.
@@ -122,11 +126,7 @@ def test_garbage_over_a_live_peers_record_does_not_hide_its_crash(tmp_path, job_
                                                                    cluster):
     nodes, client = cluster
     keys = JobKeys(job_id)
-    for name in "ab":
-        node = DaemonNode(name, etcd_server.endpoint, job_id, tmp_path, {"min_nodes": 1, "max_nodes": 2})
-        nodes.append(node.start())
-    a, b = nodes
-    wait_for(lambda: stepping_at(nodes, 2, 0), 120, "world of 2", nodes)
+    a, b = _world_of_two(nodes, etcd_server, job_id, tmp_path)
     client.put(keys.node("b"), b"{broken")
     _wait_warned([a], RECORD_WARNING, "nodes/b")
     assert b.running(), b.log_tail()
