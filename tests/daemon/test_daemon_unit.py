@@ -7,14 +7,7 @@ from structlog.testing import capture_logs
 from elasticd.config import config_from_dict
 from elasticd.daemon import Daemon
 from elasticd.sdnotify import SystemdNotifier
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.daemon.test_sdnotify import FakeClock
 
 
 def test_a_cycle_that_raises_is_logged_and_does_not_beat_the_watchdog(tmp_path):
@@ -23,7 +16,7 @@ def test_a_cycle_that_raises_is_logged_and_does_not_beat_the_watchdog(tmp_path):
     clock = FakeClock()
     notifier = SystemdNotifier({"NOTIFY_SOCKET": str(tmp_path / "none.sock"), "WATCHDOG_USEC": "4000000"})
     daemon = Daemon(config, clock=clock, notifier=notifier)
-    clock.t += 3.0                       # older than half the watchdog interval
+    clock.now += 3.0                       # older than half the watchdog interval
     with capture_logs() as logs:
         daemon._cycle_guarded()          # not connected: observe() raises
     assert any(e["event"] == "daemon cycle failed; retrying at the next tick" for e in logs)

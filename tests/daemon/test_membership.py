@@ -35,11 +35,17 @@ def _record(client: EtcdClient, keys: JobKeys, node: str) -> dict | None:
     return None if kv is None else json.loads(kv.value)
 
 
-def test_a_lost_update_is_republished_when_etcd_returns(fresh_etcd, job_id):
+def _member(etcd, job_id: str, state: str) -> tuple[JobKeys, EtcdClient, Membership]:
+    """Node a registered in a fresh job: its keys, client and membership."""
     keys = JobKeys(job_id)
-    client = _client(fresh_etcd)
-    member = Membership(client, keys, "a", 10, {"state": "starting"})
+    client = _client(etcd)
+    member = Membership(client, keys, "a", 10, {"state": state})
     member.register()
+    return keys, client, member
+
+
+def test_a_lost_update_is_republished_when_etcd_returns(fresh_etcd, job_id):
+    keys, client, member = _member(fresh_etcd, job_id, "starting")
     try:
         fresh_etcd.kill()
         with deadline(1.0):
@@ -73,10 +79,7 @@ def test_the_adapter_yields_typed_watch_events(fresh_etcd, job_id):
 
 
 def test_a_healthy_watch_is_never_recreated_and_a_broken_one_is(fresh_etcd, job_id):
-    keys = JobKeys(job_id)
-    client = _client(fresh_etcd)
-    member = Membership(client, keys, "a", 10, {"state": "running"})
-    member.register()
+    keys, client, member = _member(fresh_etcd, job_id, "running")
     try:
         end = time.monotonic() + 7.0          # longer than the old 5 s re-list period
         while time.monotonic() < end:
