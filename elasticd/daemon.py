@@ -88,6 +88,7 @@ class Daemon:
         self.agent: AgentProcess | None = None
         self.preemption: PreemptionWatcher | None = None
         self.progress = ProgressReader(self.files.progress)
+        self._progress_seen = self.progress.progress
         self._reload_requested = False
         self._stop_signals = 0
         self._drain_request: str | None = None
@@ -211,8 +212,12 @@ class Daemon:
         job = self.jobs.read()
         drain = self._drain_request or job.drain_reason
         progress = self.progress.read()
-        if progress.event in ("checkpoint", "stopped", "completed"):
+        # Scan once per new record that says a checkpoint may have landed, not every cycle
+        # while the file still holds it (the directory may be a slow NFS mount).
+        if progress is not self._progress_seen and progress.event in ("checkpoint", "stopped",
+                                                                       "completed"):
             self.scanner.poke()
+        self._progress_seen = progress
         eviction, self._eviction = self._eviction, None
         agent = self.agent
         return Snapshot(
