@@ -46,6 +46,13 @@ DEFAULT_KEEP_LAST = 3
 KEEP_LAST_WHY = "so a crash during a save always leaves a valid older checkpoint"
 KEEP_LAST_RULE = f"keep at least {MIN_KEEP_LAST} checkpoints, {KEEP_LAST_WHY}"
 
+# How workers recover from a lost peer. "in-place": survivors keep their processes and
+# re-form the group (needs the daemon's generation file); "restart": they exit and
+# torchrun starts new ones. The worker default is "restart" because a plain torchrun
+# run has no daemon to agree on the next generation; the daemon's default is in-place.
+RECOVERY_MODES = ("in-place", "restart")
+DEFAULT_RECOVERY_BOUND_S = 5.0
+
 # etcd credentials reach the agent on its stdin, never in its environment.
 ETCD_AUTH_STDIN_VAR = "ELASTICD_ETCD_AUTH_STDIN"
 # Variables that must never reach an agent (the daemon's own env may hold them:
@@ -120,6 +127,14 @@ class WorkerSettings:
         check=_non_negative, expected="an integer >= 0")
     generation_epoch: str | None = setting(
         str, "id of the rendezvous state's lifetime the generation counts in (set by the plugin)")
+    recovery_mode: str = setting(
+        str, "after a lost peer: re-form the group in place, or exit for a torchrun restart",
+        default="restart", choices=RECOVERY_MODES)
+    recovery_bound_s: float = setting(
+        float, "longest an in-place re-form may take before the worker exits (the restart path)",
+        default=DEFAULT_RECOVERY_BOUND_S, check=_positive_finite, expected="a number > 0")
+    generation_file: str | None = setting(
+        str, "the daemon's generation record for these workers (in-place re-forms)")
 
     def __post_init__(self) -> None:
         for f in FIELDS:
