@@ -1,9 +1,11 @@
 """Generation fence: a worker of an older world can never commit once a newer world exists.
 
 `<directory>/fence.json` holds the generation of the newest world that opened the
-directory for writing: ``{"generation": 7, "epoch": "<hex>"}``. A generation is a pair:
+directory for writing: ``{"generation": 7, "epoch": "<hex>", "seq": 0}``. A generation is:
 
 * ``number``: torch's rendezvous round of the writer's world (``ELASTICD_GENERATION``);
+* ``seq``: the in-place re-forms of that round (``elasticd.generation``; 0 when torchrun
+  formed the world; a fence written before re-forms existed reads as 0);
 * ``epoch``: an id of the rendezvous state's lifetime (``ELASTICD_GENERATION_EPOCH``). The
   round restarts at 0 whenever the rendezvous state is created afresh (its etcd lease
   expired after a stop, a new etcd, another ``--rdzv-id``), so numbers of two epochs
@@ -12,8 +14,8 @@ directory for writing: ``{"generation": 7, "epoch": "<hex>"}``. A generation is 
 
 Rules (`raise_fence` when rank 0 opens the directory, `check_fence` at every commit):
 
-* same epoch: the fence only goes up (read, compare, write); a writer whose number is
-  below the fence is stale and refused (StaleGenerationError), equal is fine;
+* same epoch: the fence only goes up (read, compare, write); a writer whose
+  ``(number, seq)`` is below the fence is stale and refused (StaleGenerationError), equal is fine;
 * other epoch: opening replaces the fence, committing is refused;
 * no fence yet (or a malformed one): opening writes it; a commit check re-creates it.
 
@@ -46,10 +48,13 @@ _MAX_EPOCH_CHARS = 256
 
 @dataclass(frozen=True)
 class Generation:
-    """A world's generation: its rendezvous round `number` within rendezvous `epoch`."""
+    """A world's generation: its rendezvous round `number` within rendezvous `epoch`, and
+    `seq`, the in-place re-forms of that round (elasticd.generation; 0 for the world
+    torchrun formed). Within an epoch, generations are ordered by (number, seq)."""
 
     number: int
     epoch: str | None = None
+    seq: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.number, bool) or not isinstance(self.number, int) or self.number < 0:
@@ -58,12 +63,21 @@ class Generation:
                                            and 0 < len(self.epoch) <= _MAX_EPOCH_CHARS):
             raise ValueError(f"generation epoch={self.epoch!r} must be a non-empty str of at most "
                              f"{_MAX_EPOCH_CHARS} characters, or None")
+        if isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq < 0:
+            raise ValueError(f"generation seq={self.seq!r} must be an int >= 0 (in-place re-forms)")
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """The position within the epoch: a larger one is a newer world."""
+        return (self.number, self.seq)
 
     def __str__(self) -> str:
-        return f"{self.number}" if self.epoch is None else f"{self.number} (epoch {self.epoch})"
+        number = f"{self.number}" if self.seq == 0 else f"{self.number}.{self.seq}"
+        return number if self.epoch is None else f"{number} (epoch {self.epoch})"
 
     def to_json(self) -> bytes:
-        return json.dumps({"generation": self.number, "epoch": self.epoch}).encode() + b"\n"
+        return json.dumps({"generation": self.number, "epoch": self.epoch,
+                           "seq": self.seq}).encode() + b"\n"
 
 
 class MalformedFence(CheckpointError):
@@ -82,7 +96,7 @@ def read_fence(storage: Storage) -> Generation | None:
         raise MalformedFence(f"{where} is over {_MAX_FENCE_BYTES} bytes; not a fence")
     try:
         body = json.loads(data)
-        return Generation(body["generation"], body.get("epoch"))
+        return Generation(body["generation"], body.get("epoch"), body.get("seq", 0))
     except (ValueError, TypeError, KeyError, RecursionError) as exc:
         raise MalformedFence(f"{where} is not a fence ({exc!r:.200})") from None
 
@@ -114,15 +128,15 @@ def raise_fence(storage: Storage, mine: Generation) -> Generation | None:
         log.warning("checkpoint_fence_replaced", reason=str(exc))
         found = None
     if found is not None and found.epoch == mine.epoch:
-        if found.number > mine.number:
+        if found.order > mine.order:
             raise _stale(mine, found, "opening the checkpoint directory")
-        if found.number == mine.number:
+        if found.order == mine.order:
             return found  # another writer of this world (or a restart of this process)
     if found is not None and found.epoch != mine.epoch:
         log.warning("checkpoint_fence_new_epoch", fence=str(found), generation=str(mine),
                     hint="the rendezvous state was created anew; this world now owns the directory")
     _write_fence(storage, mine)
-    log.info("checkpoint_fence_raised", generation=mine.number, epoch=mine.epoch,
+    log.info("checkpoint_fence_raised", generation=mine.number, seq=mine.seq, epoch=mine.epoch,
              previous=None if found is None else str(found))
     return found
 
@@ -139,9 +153,9 @@ def check_fence(storage: Storage, mine: Generation, action: str) -> None:
     except MalformedFence as exc:
         log.warning("checkpoint_fence_replaced", reason=str(exc))
         found = None
-    if found is not None and (found.epoch != mine.epoch or found.number > mine.number):
+    if found is not None and (found.epoch != mine.epoch or found.order > mine.order):
         raise _stale(mine, found, action)
     if found != mine:
         _write_fence(storage, mine)
-        log.info("checkpoint_fence_raised", generation=mine.number, epoch=mine.epoch,
-                 previous=None if found is None else str(found))
+        log.info("checkpoint_fence_raised", generation=mine.number, seq=mine.seq,
+                 epoch=mine.epoch, previous=None if found is None else str(found))

@@ -91,6 +91,7 @@ class CheckpointManager:
         read_only: bool = False,
         generation: int | None = None,
         generation_epoch: str | None = None,
+        generation_seq: int = 0,
     ) -> None:
         """Open (creating if needed) `directory` and remove leftovers of crashed writers.
 
@@ -105,6 +106,7 @@ class CheckpointManager:
         generation raises the directory's fence to it here and every commit is refused
         (StaleGenerationError) once a newer world has raised it further; see fence.py.
         None: no fence is read or written (plain torchrun). Ignored when read_only.
+        generation_seq: the in-place re-forms of that round (0: the world torchrun formed).
         Raises CheckpointConfigError for bad values, StorageError if not writable,
         StaleGenerationError if the fence is already above `generation`.
         """
@@ -124,7 +126,7 @@ class CheckpointManager:
         self.read_only = read_only
         try:
             self.generation = None if generation is None or read_only else Generation(
-                generation, generation_epoch)
+                generation, generation_epoch, generation_seq)
         except ValueError as exc:
             raise CheckpointConfigError(str(exc)) from None
         policy = StalePolicy(max_age=stale_temp_seconds, me=layout.Owner.current())
@@ -172,6 +174,19 @@ class CheckpointManager:
             self._start_job(f"checkpoint-write-{step}", lambda: self._write_and_retain(
                 step, tree, world_size, meta))
 
+    def advance_generation(self, seq: int) -> None:
+        """This writer's process now belongs to re-form ``seq`` of its round: raise the fence.
+
+        Its in-flight save, if any, commits under the new generation: the state it holds is
+        a step of this same lineage. StaleGenerationError if a newer world already owns the
+        directory.
+        """
+        if self.generation is None:
+            return
+        with self._lock:
+            self.generation = Generation(self.generation.number, self.generation.epoch, seq)
+            raise_fence(self.storage, self.generation)
+
     @property
     def writing(self) -> bool:
         """True while a background save (its write or its retention) is still running."""
@@ -205,7 +220,7 @@ class CheckpointManager:
         try:
             manifest = write_checkpoint(
                 self.storage, step, tree, world_size=world_size, metadata=meta,
-                generation=self.generation,
+                generation=lambda: self.generation,
             )
         except StaleGenerationError as exc:
             log.error("checkpoint_refused_stale_generation", step=step,

@@ -116,14 +116,16 @@ def write_checkpoint(
     world_size: int,
     metadata: Mapping[str, Any],
     clock: Callable[[], float] = time.time,
-    generation: Generation | None = None,
+    generation: Generation | Callable[[], Generation | None] | None = None,
 ) -> Manifest:
     """Write `tree` as checkpoint `step` and commit it; returns the committed manifest.
 
     With a `generation`, the directory's fence is checked just before the manifest is
     written and again right after its rename: a newer world's fence makes this raise
     StaleGenerationError, and a manifest renamed while the fence went up is taken back
-    (see fence.py). Without one, no fence is read or written.
+    (see fence.py). Without one, no fence is read or written. A callable is asked at each
+    check: the writer's process may move into a newer generation (an in-place re-form)
+    while its background save runs.
 
     If this raises, the checkpoint may be uncommitted (it then does not exist) but every
     previously committed checkpoint is unchanged: data files always get fresh names and the
@@ -134,6 +136,7 @@ def write_checkpoint(
     data = layout.data_name()
     entry = _write_data(storage, f"{directory}/{data}", tree)
     _hooks.phase("checkpoint.data_committed", directory)
+    generation = generation() if callable(generation) else generation
     manifest = Manifest(
         step=step, wall_time=clock(), world_size=world_size,
         files={data: entry}, metadata=dict(metadata),

@@ -35,9 +35,9 @@ def test_a_newer_generation_fences_out_the_older_writer(tmp_path):
     # Two managers in one process: a manager's cleanup takes this pid's temps for its own
     # leftovers, so its background retention must be done before the other one writes.
     old.wait()
-    assert _fence(tmp_path) == {"generation": 3, "epoch": "e"}
+    assert _fence(tmp_path) == {"generation": 3, "epoch": "e", "seq": 0}
     CheckpointManager(tmp_path, generation=4, generation_epoch="e")
-    assert _fence(tmp_path) == {"generation": 4, "epoch": "e"}
+    assert _fence(tmp_path) == {"generation": 4, "epoch": "e", "seq": 0}
 
     with pytest.raises(StaleGenerationError, match=r"generation 3 .*fence is at generation 4") as err:
         old.save(2, _state(2))
@@ -73,7 +73,7 @@ def test_another_epoch_replaces_the_fence_and_fences_out_the_old_epoch(tmp_path)
     # A rendezvous state created anew (lease expired, fresh etcd) starts again at round 0.
     old = CheckpointManager(tmp_path, generation=9, generation_epoch="before")
     new = CheckpointManager(tmp_path, generation=0, generation_epoch="after")
-    assert _fence(tmp_path) == {"generation": 0, "epoch": "after"}
+    assert _fence(tmp_path) == {"generation": 0, "epoch": "after", "seq": 0}
     new.save(1, _state(1))
     new.wait()
     with pytest.raises(StaleGenerationError):
@@ -99,7 +99,7 @@ def test_a_manager_without_generation_neither_reads_nor_writes_the_fence(tmp_pat
 def test_a_malformed_fence_is_replaced_by_the_next_opener(tmp_path):
     (tmp_path / FENCE_NAME).write_text("not json")
     CheckpointManager(tmp_path, generation=2).save(1, _state(1))
-    assert _fence(tmp_path) == {"generation": 2, "epoch": None}
+    assert _fence(tmp_path) == {"generation": 2, "epoch": None, "seq": 0}
 
 
 def test_bad_generations_are_config_errors(tmp_path):
@@ -164,3 +164,37 @@ def test_a_sigstopped_trainer_woken_after_a_newer_generation_cannot_commit(tmp_p
     assert {s for s, m in after.items() if m["generation"] == 3} <= set(before)
     assert max(after) == resumed_at + 1 and after[max(after)]["generation"] == 4
     assert exits[0]["step"] > resumed_at   # it did train on, and tried to save, after waking
+
+
+def test_an_in_place_re_form_fences_out_the_world_it_left(tmp_path):
+    """Re-form 1 of round 3 is newer than round 3 as torchrun formed it, older than round 4."""
+    old = CheckpointManager(tmp_path, generation=3, generation_epoch="e")
+    old.save(1, _state(1))
+    old.wait()
+    survivor = CheckpointManager(tmp_path, generation=3, generation_epoch="e", generation_seq=1)
+    assert _fence(tmp_path) == {"generation": 3, "epoch": "e", "seq": 1}
+    with pytest.raises(StaleGenerationError, match=r"generation 3 .*fence is at generation 3\.1"):
+        old.save(2, _state(2))
+    survivor.save(2, _state(2))
+    survivor.wait()
+    CheckpointManager(tmp_path, generation=4, generation_epoch="e")   # the next torchrun round
+    with pytest.raises(StaleGenerationError, match=r"generation 3\.1 .*fence is at generation 4"):
+        survivor.save(3, _state(3))
+    assert sorted(_manifests(tmp_path)) == [1, 2]
+
+
+def test_a_writer_that_re_formed_raises_the_fence_and_keeps_committing(tmp_path):
+    writer = CheckpointManager(tmp_path, generation=2, generation_epoch="e")
+    writer.save(1, _state(1), blocking=False)   # in flight while the group re-forms
+    writer.advance_generation(1)
+    writer.wait()
+    assert _fence(tmp_path) == {"generation": 2, "epoch": "e", "seq": 1}
+    writer.save(2, _state(2))
+    with pytest.raises(StaleGenerationError, match="opening"):
+        CheckpointManager(tmp_path, generation=2, generation_epoch="e")   # the world it left
+    assert sorted(_manifests(tmp_path)) == [1, 2]
+
+
+def test_a_fence_written_before_re_forms_existed_reads_as_seq_0(tmp_path):
+    (tmp_path / FENCE_NAME).write_text('{"generation": 2, "epoch": "e"}')
+    assert read_fence(LocalStorage(tmp_path)) == Generation(2, "e", 0)
