@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from elasticd.generation import GenerationId
 from elasticd.worker_contract import (
     DEFAULT_LR_RULE,
     FIELD_NAMES,
@@ -57,6 +58,9 @@ class ElasticContext(WorkerSettings):
     run_id: str = "none"
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    # In-place re-forms of this round so far (not an environment variable: a fresh
+    # worker always starts at 0; trainer.loop raises it when its group re-forms).
+    generation_seq: int = 0
 
     def __post_init__(self) -> None:
         _check(self.world_size >= 1, "WORLD_SIZE", self.world_size, "a positive integer")
@@ -112,6 +116,19 @@ class ElasticContext(WorkerSettings):
     def settings(self) -> WorkerSettings:
         """The ``ELASTICD_*`` part alone (e.g. to hand on to a child process)."""
         return WorkerSettings(**{name: getattr(self, name) for name in FIELD_NAMES})
+
+    @property
+    def generation_id(self) -> GenerationId | None:
+        """This worker's generation (elasticd.generation), None without the etcd3 plugin."""
+        if self.generation is None:
+            return None
+        return GenerationId(self.generation, self.generation_seq, self.generation_epoch)
+
+    @property
+    def in_place(self) -> bool:
+        """Whether a lost peer is recovered in place: asked for, and everything it needs set."""
+        return (self.recovery_mode == "in-place" and self.generation_file is not None
+                and self.node_id is not None and self.generation is not None)
 
     @property
     def is_rank0(self) -> bool:

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainer.context import ElasticContext
 from trainer.errors import ConfigError, TrainerError
+from trainer.inplace import CollectiveGuard, Released
 
 log = structlog.get_logger(__name__)
 
@@ -43,12 +44,30 @@ def is_collective_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in text for m in _TRANSPORT_FAILURE_MARKERS)
 
 
+# In-place mode: every collective's wait goes through this guard (see trainer.inplace),
+# so the daemon's next generation releases a worker blocked on a lost or frozen peer.
+_GUARD: CollectiveGuard | None = None
+
+
+def install_guard(guard: CollectiveGuard | None) -> None:
+    """Route the collectives of this module (and DDP's, via ``wrap_ddp``) through ``guard``."""
+    global _GUARD
+    if _GUARD is not None:
+        _GUARD.close()
+    _GUARD = guard
+
+
+def guard_released() -> str | None:
+    """Why the installed guard released its waiters, if it did."""
+    return None if _GUARD is None else _GUARD.why
+
+
 def synced_backward(loss: torch.Tensor) -> None:
     """``loss.backward()`` where DDP all-reduces gradients; peer failures become CollectiveError."""
     try:
         loss.backward()
     except RuntimeError as exc:
-        if is_collective_failure(exc):
+        if is_collective_failure(exc) or guard_released() is not None:
             raise CollectiveError(f"gradient all-reduce failed (a peer is gone?): {exc}") from exc
         raise
 
@@ -114,12 +133,17 @@ def init_distributed(
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device, **ddp_kwargs) -> DistributedDataParallel:
-    """Move ``model`` to ``device`` and wrap it in DDP (parameters broadcast from rank 0)."""
+    """Move ``model`` to ``device`` and wrap it in DDP (parameters broadcast from rank 0,
+    unless ``init_sync=False``); with a guard installed, its gradient all-reduce goes
+    through the guard."""
     if not dist.is_initialized():
         raise ConfigError("wrap_ddp needs a process group: call init_distributed() first")
     model = model.to(device)
     device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
+    ddp = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
+    if _GUARD is not None:
+        ddp.register_comm_hook(None, _GUARD.comm_hook)
+    return ddp
 
 
 def step_boundary(stop: bool, loss_sum: float, device: torch.device) -> tuple[bool, float]:
@@ -135,31 +159,40 @@ def step_boundary(stop: bool, loss_sum: float, device: torch.device) -> tuple[bo
 def broadcast_int(value: int, device: torch.device, src: int = 0) -> int:
     """``value`` as held by rank ``src``, on every rank."""
     buf = torch.tensor([value], dtype=torch.int64, device=device)
-    try:
-        dist.broadcast(buf, src=src)
-    except (RuntimeError, ValueError) as exc:
-        raise CollectiveError(f"broadcast failed (a peer is gone?): {exc}") from exc
+    _collective("broadcast", lambda **kw: dist.broadcast(buf, src=src, **kw))
     return int(buf.item())
 
 
 def all_reduce(buf: torch.Tensor) -> None:
     """Sum ``buf`` over ranks in place; a peer failure becomes CollectiveError."""
-    try:
-        dist.all_reduce(buf)
-    except (RuntimeError, ValueError) as exc:
-        raise CollectiveError(f"all_reduce failed (a peer is gone?): {exc}") from exc
+    _collective("all_reduce", lambda **kw: dist.all_reduce(buf, **kw))
 
 
 def barrier() -> None:
     """Wait for every rank; a peer failure becomes CollectiveError."""
+    _collective("barrier", lambda **kw: dist.barrier(**kw))
+
+
+def _collective(what: str, call) -> None:
+    """Run one collective (through the guard when one is installed); translate its errors."""
     try:
-        dist.barrier()
+        if _GUARD is None:
+            call()
+        else:
+            _GUARD.wait(call(async_op=True), what)
+    except Released as exc:
+        raise CollectiveError(f"{what} released: {exc}") from exc
     except (RuntimeError, ValueError) as exc:
-        raise CollectiveError(f"barrier failed (a peer is gone?): {exc}") from exc
+        raise CollectiveError(f"{what} failed (a peer is gone?): {exc}") from exc
 
 
 # Objects whose destructors must never run in the training thread; see shutdown().
-_RETAINED: list[object] = []
+RETAINED: list[object] = []
+
+
+def retain(*objects: object) -> None:
+    """Keep ``objects`` alive until the process exits (see ``shutdown`` for why)."""
+    RETAINED.extend(objects)
 
 
 def shutdown(*keep: object) -> None:
@@ -171,9 +204,9 @@ def shutdown(*keep: object) -> None:
     final barrier, in ``~Reducer`` -> ``~ProcessGroupGloo`` -> ``thread::join``).
     End the process with ``exit_worker`` so those destructors never run.
     """
-    _RETAINED.extend(keep)
+    retain(*keep)
     if dist.is_initialized():
-        _RETAINED.append(dist.group.WORLD)
+        retain(dist.group.WORLD)
         try:
             dist.destroy_process_group()
         except Exception as exc:  # noqa: BLE001 - best effort on the way out

@@ -23,6 +23,7 @@ One step (``step`` counts completed optimizer steps):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +35,9 @@ import structlog
 import torch
 
 from checkpointing.errors import StaleGenerationError
+from elasticd.generation import GenerationRecord
 from trainer import dist as tdist
+from trainer import inplace
 from trainer.batching import BatchPlan, micro_batches, plan_batches, shard
 from trainer.context import ElasticContext
 from trainer.errors import ConfigError
@@ -154,9 +157,11 @@ class ElasticTrainer:
         self.progress = ProgressReporter(self.ctx, config.log_every)
         self.watchdog = OrphanWatchdog(self.ctx.daemon_pid)
         self.device = torch.device("cpu")
+        self.backend = tdist.choose_backend(config.backend)
         self.ddp: torch.nn.Module = model
         self.checkpoints: Any = None  # checkpointing.CheckpointManager when a dir is set
         self.saved_step = -1
+        self._reported_step = -1
         self.loss: float | None = None
         self._last_save = time.monotonic()
 
@@ -169,7 +174,7 @@ class ElasticTrainer:
         code = FAILURE_EXIT_CODE
         try:
             self._setup()
-            code = self._train()
+            code = self._train_recovering()
         except tdist.CollectiveError as exc:
             code = self._on_failure(exc)
         except StaleGenerationError as exc:
@@ -184,6 +189,7 @@ class ElasticTrainer:
         self.device = tdist.init_distributed(self.ctx, self.config.backend, self.config.timeout)
         self.state.model.to(self.device)
         self._open_checkpoints()
+        self._install_guard()
         self._resume()
         self.ddp = tdist.wrap_ddp(self.state.model, self.device, **self.config.ddp_kwargs)
 
@@ -220,7 +226,8 @@ class ElasticTrainer:
         self.checkpoints = CheckpointManager(directory, keep_last=self.ctx.keep_last,
                                              read_only=not self.ctx.is_rank0,
                                              generation=self.ctx.generation,
-                                             generation_epoch=self.ctx.generation_epoch)
+                                             generation_epoch=self.ctx.generation_epoch,
+                                             generation_seq=self.ctx.generation_seq)
 
     def _resume(self) -> None:
         """All ranks load the step rank 0 chose, then apply the LR for this world."""
@@ -254,6 +261,115 @@ class ElasticTrainer:
         lrs = lrs_at(self.base_lrs, self.state.scale, self.state.step, self.lr_schedule)
         apply_lrs(self.state.optimizer, lrs)
         return lrs
+
+    # -- in-place recovery (trainer.inplace) ----------------------------------------------
+
+    def _install_guard(self) -> None:
+        """In in-place mode, every collective waits through a guard that the daemon's next
+        generation releases (the silent-peer case: nothing else would release it)."""
+        if not self.ctx.in_place:
+            return
+        assert self.ctx.generation_file is not None and self.ctx.generation_id is not None
+        watch = inplace.GenerationWatch(self.ctx.generation_file, self.ctx.generation_id)
+
+        def released() -> str | None:
+            record = watch.newer()
+            return None if record is None else (
+                f"the daemons formed generation {record.id} without {', '.join(record.lost)}")
+
+        tdist.install_guard(inplace.CollectiveGuard(released, self.backend,
+                                                    self.config.timeout.total_seconds()))
+
+    def _train_recovering(self) -> int:
+        """Train; in in-place mode a failed collective re-forms the group and training goes on."""
+        while True:
+            try:
+                return self._train()
+            except tdist.CollectiveError as exc:
+                if not self._recover_in_place(exc):
+                    raise
+
+    def _recover_in_place(self, exc: tdist.CollectiveError) -> bool:
+        """Re-form the group in the next generation; False (after reporting why) if it failed."""
+        if not self.ctx.in_place:
+            return False
+        started = time.monotonic()
+        from_world, from_gen = self.ctx.world_size, self.ctx.generation_id
+        cause = "released" if tdist.guard_released() else "collective-failed"
+        log.warning("collective failed; re-forming the group in place", step=self.state.step,
+                    generation=str(from_gen), cause=cause, error=str(exc)[:300])
+        try:
+            record = self._reform(started + self.ctx.recovery_bound_s)
+        except (inplace.ReformError, tdist.CollectiveError, StaleGenerationError) as err:
+            took = time.monotonic() - started
+            self._report("reform-failed", reason=str(err)[:500], duration_s=round(took, 4))
+            log.error(f"in-place re-form failed after {took:.2f} s; exiting for a torchrun "
+                      "restart", reason=str(err)[:500])
+            return False
+        took = time.monotonic() - started
+        self._report("reformed", from_world_size=from_world, duration_s=round(took, 4),
+                     cause=cause, lost=list(record.lost))
+        log.info(f"re-formed in place in {took:.3f} s: rank {self.ctx.rank} of "
+                 f"{self.ctx.world_size} in generation {record.id} (was {from_world} in "
+                 f"{from_gen}); redoing step {self.state.step + 1}")
+        return True
+
+    def _reform(self, deadline: float) -> GenerationRecord:
+        def left() -> float:
+            return deadline - time.monotonic()
+
+        ctx = self.ctx
+        assert ctx.generation_file is not None and ctx.generation_id is not None
+        record = inplace.GenerationWatch(ctx.generation_file, ctx.generation_id).wait(deadline)
+        rank = record.rank_of(ctx.node_id or "", ctx.local_rank)
+        if rank is None:
+            raise inplace.ReformError(
+                f"generation {record.id} does not name node {ctx.node_id} (local rank "
+                f"{ctx.local_rank}): this worker was fenced out")
+        tdist.install_guard(None)
+        tdist.retain(self.ddp)
+        inplace.abandon_group(tdist.RETAINED, self.backend, left())
+        inplace.join_group(record, rank, self.backend, self.device, self.config.timeout, left())
+        inplace.bounded(self._sync_state, left(), "agreeing on the newest state")
+        if self.state.step > self._reported_step:
+            # A step whose all-reduce completed here (or on the holder) but whose boundary
+            # collective did not: it was a step of the old world, and its record says so.
+            self._report("step")
+        self._adopt(record, rank)
+        self.state.scale = self._scale_for(self.state.scale, self.state.step)
+        self._apply_lr()
+        self._install_guard()
+        self.ddp = tdist.wrap_ddp(self.state.model, self.device,
+                                  **{**self.config.ddp_kwargs, "init_sync": False})
+        return record
+
+    def _adopt(self, record: GenerationRecord, rank: int) -> None:
+        """This worker's place in the new generation: rank, world, batch plan, writer role."""
+        was_rank0 = self.ctx.is_rank0
+        self.ctx = dataclasses.replace(self.ctx, rank=rank, world_size=record.world_size,
+                                       generation_seq=record.id.seq)
+        self.progress.ctx = self.ctx
+        self.plan = plan_batches(self.ctx.world_size, self.config.micro_batch,
+                                 self.config.global_batch)
+        self.state.world_size, self.state.global_batch = self.ctx.world_size, self.plan.global_batch
+        if self.checkpoints is None or not self.ctx.is_rank0:
+            return
+        if was_rank0:
+            self.checkpoints.advance_generation(record.id.seq)
+        else:  # rank 0 was lost: this survivor is the writer now
+            self._open_checkpoints()
+
+    def _sync_state(self) -> None:
+        """Every survivor continues from the newest completed step (see trainer.inplace)."""
+        newest, holder, every = inplace.newest_state(self.state.step, self.device)
+        if min(every) == newest:
+            return  # the same step everywhere: DDP made the states identical
+        rank = torch.distributed.get_rank()  # in the new group (the context follows)
+        mine = self.state.to_checkpoint() if rank == holder else None
+        saved = inplace.send_state(mine, holder, self.device)
+        if rank != holder:
+            self.state.scale = self.state.load_checkpoint(saved, newest)
+        log.info("training state handed over", step=newest, holder=holder, steps=every)
 
     # -- training ------------------------------------------------------------------------
 
@@ -392,6 +508,8 @@ class ElasticTrainer:
 
     def _report(self, event: str, **fields: Any) -> None:
         st = self.state
+        if event in ("step", "checkpoint"):
+            self._reported_step = st.step
         lrs = st.lrs_used or self.base_lrs
         self.progress.report(event, st.step, lr=lrs[0], loss=self.loss, lrs=lrs,
                              epoch=st.sampler.epoch, global_batch=self.plan.global_batch, **fields)

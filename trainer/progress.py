@@ -21,7 +21,7 @@ from trainer.context import ElasticContext
 
 log = structlog.get_logger(__name__)
 
-EVENTS = ("step", "resumed", "checkpoint", "stopped", "completed")
+EVENTS = ("step", "resumed", "checkpoint", "stopped", "completed", "reformed", "reform-failed")
 
 
 def write_atomic(path: str, text: str) -> None:
@@ -64,8 +64,16 @@ class ProgressReporter:
             "restart_count": self.ctx.restart_count,
             "run_id": self.ctx.run_id,
             "steps_per_s": round(self.steps_per_s, 3),
+            "local_world_size": self.ctx.local_world_size,
+            **self._generation(),
             **fields,
         }
+
+    def _generation(self) -> dict[str, Any]:
+        # The daemon publishes this (with rank and local_world_size) as its node's part of
+        # the world: the base from which the daemons agree on an in-place re-form.
+        gen = self.ctx.generation_id
+        return {} if gen is None else {"generation": gen.as_dict()}
 
     def report(self, event: str, step: int, **fields: Any) -> None:
         """Rewrite the progress file; log unless it is a ``step`` between log points."""

@@ -20,18 +20,19 @@ import pytest
 import torch
 
 from checkpointing import CheckpointManager
+from tests.oracle import Run, max_rel_diff, replay, step_history
 from tests.trainer.launch import Launch
 from trainer.examples import mlp
 from trainer.exitcodes import STOP_EXIT_CODE
-from trainer.sampler import epoch_permutation
 
 SAMPLES, BATCH, LR, SEED, DATA_SEED, MOMENTUM, WARMUP = 203, 8, 0.05, 3, 1234, 0.9, 3
 
 
+RUN = Run(SAMPLES, BATCH, LR, SEED, DATA_SEED, MOMENTUM)
+
+
 def _args(ckpt: Path, *extra: str) -> list[str]:
-    return ["--dtype=float64", f"--samples={SAMPLES}", f"--batch-size={BATCH}", f"--lr={LR}",
-            f"--seed={SEED}", f"--data-seed={DATA_SEED}", f"--momentum={MOMENTUM}",
-            "--lr-rule=linear", f"--lr-warmup-steps={WARMUP}", f"--checkpoint-dir={ckpt}",
+    return [*RUN.args(), "--lr-rule=linear", f"--lr-warmup-steps={WARMUP}", f"--checkpoint-dir={ckpt}",
             "--checkpoint-every-steps=5", *extra]
 
 
@@ -64,55 +65,14 @@ def _started(launches: list[Launch], launch: Launch) -> Launch:
     return launch.start()
 
 
-def step_history(launches: list[Launch]) -> dict[int, tuple[int, float]]:
-    """Step -> (world size, LR) of the steps that count: a resume discards later steps."""
-    history: dict[int, tuple[int, float]] = {}
-    for launch in launches:
-        for rec in launch.events():
-            if rec["event"] == "resumed":
-                history = {s: v for s, v in history.items() if s <= rec["step"]}
-            elif rec["event"] in ("step", "checkpoint"):
-                history[rec["step"]] = (rec["world_size"], rec["lr"])
-    return history
-
-
-def replay(history: dict[int, tuple[int, float]]) -> dict[str, torch.Tensor]:
-    """One process, plain torch: each step is one update on the world's whole global batch."""
-    torch.manual_seed(SEED)
-    x, y = mlp.make_data(SAMPLES, DATA_SEED, torch.float64)
-    model = mlp.make_model(torch.float64)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    epoch, cursor = 0, 0
-    for step in range(1, max(history) + 1):
-        world, lr = history[step]
-        perm = epoch_permutation(SEED, epoch, SAMPLES)
-        idx = perm[cursor : cursor + world * BATCH]
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
-        for group in opt.param_groups:
-            group["lr"] = lr
-        opt.step()
-        cursor += len(idx)
-        if cursor == SAMPLES:
-            epoch, cursor = epoch + 1, 0
-    return model.state_dict()
-
-
-def max_rel_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    worst = 0.0
-    for name, ref in want.items():
-        diff = (got[name] - ref).abs() / ref.abs().clamp_min(1e-12)
-        worst = max(worst, float(diff.max()))
-    return worst
-
-
 def test_world_size_history_equals_single_process_replay(scenario):
-    history = step_history([scenario["a"], scenario["b"], scenario["c"]])
+    history = step_history(e for launch in (scenario["a"], scenario["b"], scenario["c"])
+                           for e in launch.events())
     assert sorted(history) == list(range(1, scenario["final"] + 1))
     assert {w for w, _ in history.values()} == {1, 2}
     final = CheckpointManager(scenario["ckpt"], read_only=True).load_latest()
     assert final.step == scenario["final"]
-    rel = max_rel_diff(final.state["model"], replay(history))
+    rel = max_rel_diff(final.state["model"], replay(RUN, history))
     print(f"oracle max relative difference: {rel:.3e}")
     assert rel < 1e-9
 

@@ -1,0 +1,229 @@
+"""The trainer's in-place re-form, with the test standing in for the daemons.
+
+Real worker processes (the MLP example, gloo, float64), real files and a real TCP store;
+what the daemons do (agree on the next generation, host the store, write each node's
+generation file) the test does by hand, so every case here is about the trainer alone.
+The daemon-driven runs (real etcd, daemons and torchrun) are in tests/daemon/test_inplace.py.
+
+Each worker plays a node of one process (its own ELASTICD_NODE_ID and generation file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from checkpointing import CheckpointManager
+from elasticd import proctree
+from elasticd.generation import GenerationId, GenerationRecord, renumber, shrink, write_file
+from tests.oracle import Run, max_rel_diff, replay, step_history
+from tests.trainer.launch import EXAMPLES, json_lines
+
+RUN = Run(samples=240, batch=4, lr=0.05, seed=5, data_seed=99, momentum=0.9)
+EPOCH = "test-epoch"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Worker:
+    node: str
+    log: Path
+    generation_file: Path
+    proc: subprocess.Popen
+
+    def records(self) -> list[dict]:
+        return json_lines(self.log.read_text(errors="replace"))
+
+    def progress(self) -> list[dict]:
+        return [r for r in self.records() if r.get("kind") == "progress"]
+
+    def step(self) -> int:
+        steps = [r["step"] for r in self.progress()]
+        return max(steps) if steps else -1
+
+
+class World:
+    """N single-worker 'nodes' of one job and the stand-in daemon's store."""
+
+    def __init__(self, tmp: Path, n: int, *extra: str, bound_s: float = 5.0) -> None:
+        self.tmp = tmp
+        self.ckpt = tmp / "ckpt"
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.base = GenerationRecord(GenerationId(0, 0, EPOCH), renumber((f"n{r}", 1)
+                                                                         for r in range(n)))
+        port = _free_port()
+        self.workers = [self._start(r, n, port, bound_s, extra) for r in range(n)]
+
+    def _start(self, rank: int, n: int, port: int, bound_s: float, extra: tuple) -> Worker:
+        node = f"n{rank}"
+        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(n), LOCAL_WORLD_SIZE="1",
+                   GROUP_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   ELASTICD_NODE_ID=node, ELASTICD_GENERATION="0",
+                   ELASTICD_GENERATION_EPOCH=EPOCH, ELASTICD_RECOVERY_MODE="in-place",
+                   ELASTICD_RECOVERY_BOUND_S=str(bound_s),
+                   ELASTICD_GENERATION_FILE=str(self.tmp / f"{node}.generation.json"))
+        log = self.tmp / f"{node}.log"
+        cmd = [sys.executable, str(EXAMPLES / "mlp.py"), "--log-every=1", *RUN.args(),
+               f"--checkpoint-dir={self.ckpt}", "--checkpoint-every-steps=10",
+               "--lr-rule=linear", "--lr-warmup-steps=2", *extra]
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        return Worker(node, log, self.tmp / f"{node}.generation.json", proc)
+
+    def wait_step(self, step: int, timeout_s: float = 60) -> None:
+        ok = proctree.wait_for(lambda: all(w.step() >= step for w in self.workers), timeout_s)
+        assert ok, self.tails()
+
+    def lose(self, *nodes: str, names: tuple[str, ...] | None = None) -> GenerationRecord:
+        """What the daemons do after losing ``nodes``: the next record, to every survivor
+        (or to the workers of ``names``, the nodes whose daemons are still there)."""
+        record = shrink(self.base, nodes, {m.node: f"127.0.0.1:{self.store.port}"
+                                           for m in self.base.members}, cause="peer-lost",
+                        created=time.time())
+        assert record is not None
+        for w in self.workers:
+            if w.node in (names or record.nodes):
+                write_file(str(w.generation_file), record)
+        return record
+
+    def worker(self, node: str) -> Worker:
+        return next(w for w in self.workers if w.node == node)
+
+    def wait(self, node: str, timeout_s: float = 90) -> int:
+        try:
+            return self.worker(node).proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(self.tails()) from None
+
+    def tails(self) -> str:
+        return "\n".join(f"--- {w.node}\n{w.log.read_text(errors='replace')[-3000:]}"
+                         for w in self.workers)
+
+    def close(self) -> None:
+        for w in self.workers:
+            if w.proc.poll() is None:
+                w.proc.send_signal(signal.SIGCONT)
+                proctree.kill_tree(w.proc.pid)
+            w.proc.wait()
+
+
+@pytest.fixture
+def world_of(tmp_path):
+    made: list[World] = []
+
+    def make(n: int, *extra: str, bound_s: float = 5.0) -> World:
+        made.append(World(tmp_path, n, *extra, bound_s=bound_s))
+        return made[-1]
+
+    yield make
+    for w in made:
+        w.close()
+
+
+def _final_matches_the_replay(world: World, survivor: str, final: int) -> dict:
+    history = step_history(world.worker(survivor).progress())
+    assert sorted(history) == list(range(1, final + 1)), "a step is missing or repeated"
+    latest = CheckpointManager(world.ckpt, read_only=True).load_latest()
+    assert latest.step == final
+    rel = max_rel_diff(latest.state["model"], replay(RUN, history))
+    assert rel < 1e-9, f"final parameters differ from the replay by {rel:.3e}"
+    return history
+
+
+def _reformed(worker: Worker) -> list[dict]:
+    return [r for r in worker.progress() if r["event"] == "reformed"]
+
+
+def test_rank0_lost_survivors_reform_in_place_and_match_the_replay(world_of):
+    final = 70
+    world = world_of(3, f"--max-steps={final}", "--step-sleep=0.02")
+    world.wait_step(12)
+    proctree.kill_tree(world.worker("n0").proc.pid)  # rank 0, the MASTER_ADDR host
+    record = world.lose("n0")
+    assert world.wait("n1") == 0 and world.wait("n2") == 0
+    history = _final_matches_the_replay(world, "n1", final)
+    assert {w for w, _ in history.values()} == {3, 2}
+    for node, rank in (("n1", 0), ("n2", 1)):
+        (event,) = _reformed(world.worker(node))
+        assert (event["rank"], event["world_size"], event["from_world_size"]) == (rank, 2, 3)
+        assert event["generation"] == record.id.as_dict()
+    # The LR follows the world: linear rule, a 2-step ramp from factor 1 to 2/3.
+    lrs = [lr for w, lr in history.values() if w == 2]
+    assert lrs[1:4] == pytest.approx([RUN.lr * 2 / 3] * 3, rel=1e-12)
+
+
+def test_silent_peer_workers_are_released_by_the_next_generation(world_of):
+    """A frozen peer leaves the others blocked in a collective; the record releases them."""
+    final = 60
+    world = world_of(3, f"--max-steps={final}", "--step-sleep=0.02")
+    world.wait_step(10)
+    frozen = world.worker("n1").proc
+    os.killpg(frozen.pid, signal.SIGSTOP)
+    time.sleep(1.0)  # the survivors are now blocked on it (a lease would expire meanwhile)
+    blocked_at = {n: world.worker(n).step() for n in ("n0", "n2")}
+    world.lose("n1")
+    assert world.wait("n0") == 0 and world.wait("n2") == 0
+    _final_matches_the_replay(world, "n0", final)
+    for node in ("n0", "n2"):
+        (event,) = _reformed(world.worker(node))
+        assert event["cause"] == "released" and event["step"] <= blocked_at[node] + 1
+
+
+def test_a_worker_the_record_leaves_out_is_fenced_out_and_exits(world_of):
+    final = 50
+    world = world_of(3, f"--max-steps={final}", "--step-sleep=0.02")
+    world.wait_step(8)
+    proctree.kill_tree(world.worker("n1").proc.pid)
+    # The daemons decided n2 is gone too (say, partitioned), but its worker still runs.
+    world.lose("n1", "n2", names=("n0", "n2"))
+    assert world.wait("n2") == 1
+    (failed,) = [r for r in world.worker("n2").progress() if r["event"] == "reform-failed"]
+    assert "fenced out" in failed["reason"]
+    assert world.wait("n0") == 0
+    history = _final_matches_the_replay(world, "n0", final)
+    assert {w for w, _ in history.values()} == {3, 1}
+
+
+def test_a_re_form_that_cannot_finish_falls_back_and_keeps_the_checkpoints(world_of):
+    """Fault injected: the record names a store nobody serves; the bound expires, the
+    workers exit for a restart, and rank 0 first commits the step it reached."""
+    world = world_of(3, "--max-steps=100000", "--step-sleep=0.02", bound_s=2.0)
+    world.wait_step(15)
+    committed = CheckpointManager(world.ckpt, read_only=True).latest_step()
+    proctree.kill_tree(world.worker("n2").proc.pid)
+    dead = GenerationRecord(GenerationId(0, 1, EPOCH), renumber([("n0", 1), ("n1", 1)]),
+                            f"127.0.0.1:{_free_port()}", ("n2",))
+    for node in ("n0", "n1"):
+        write_file(str(world.worker(node).generation_file), dead)
+    started = time.monotonic()
+    assert world.wait("n0", 30) == 1 and world.wait("n1", 30) == 1
+    assert time.monotonic() - started < 20
+    for node in ("n0", "n1"):
+        (failed,) = [r for r in world.worker(node).progress() if r["event"] == "reform-failed"]
+        assert failed["duration_s"] <= 2.0 + 1.0
+    latest = CheckpointManager(world.ckpt, read_only=True)
+    assert latest.latest_step() >= committed
+    reached = world.worker("n0").step()
+    assert latest.latest_step() == reached   # rank 0 saved on its way out: nothing lost
+    json.dumps(latest.load_latest().manifest.metadata)  # verifies and loads
+    torch.testing.assert_close(latest.load_latest().step, reached)

@@ -1,0 +1,276 @@
+"""In-place recovery: the survivors of a lost peer re-form the group without restarting.
+
+The daemons agree on the next generation in etcd (``elasticd.generation``) and each
+hands it to its workers in the local generation file. A worker whose collective fails,
+or who is released from one by that file, then (all bounded by ``recovery_bound_s``):
+
+1. waits for a generation newer than its own that names its node (else: fenced out);
+2. abandons its group: aborts it (so survivors blocked on *it* are released too) and
+   drops it from torch's registry, keeping the objects alive (destroying a gloo group
+   whose thread is stuck on a frozen peer would join that thread forever);
+3. joins the new group through the store the record names (hosted by a survivor's
+   daemon, under the generation's own prefix);
+4. agrees on the newest completed step; if the survivors differ (one finished its
+   optimizer step while another's all-reduce failed), the lowest rank holding the
+   newest state sends it whole (model, optimizer, sampler, LR scale) to the others.
+
+The caller (``trainer.loop``) then rescales the LR to the new world, rebuilds DDP and
+redoes the step in flight. Anything that fails or outlasts the bound raises
+``ReformError``: the worker exits and torchrun's restart path recovers.
+
+Every wait on a collective goes through ``CollectiveGuard``: in slices, checking between
+them whether the daemon has named a newer generation. That is what releases a worker
+blocked on a *silent* peer as soon as the daemon evicted it: on gloo an abort from
+another thread does not release a blocked collective, a bounded ``work.wait`` does.
+On NCCL the guard polls ``is_completed()`` and the release aborts the communicator.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import io
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from elasticd.generation import GenerationId, GenerationRecord, GenerationRecordError, read_file
+from trainer.errors import TrainerError
+
+log = structlog.get_logger(__name__)
+
+# How often a blocked collective looks at the generation file: the release latency.
+SLICE_S = 0.02
+# How often a worker that lost its group looks for the daemon's next generation.
+POLL_S = 0.01
+
+
+class ReformError(TrainerError):
+    """The in-place re-form failed or outlasted its bound: exit for a torchrun restart."""
+
+
+class Released(Exception):
+    """The daemon named a newer generation while this worker waited on its old group."""
+
+
+class GenerationWatch:
+    """The daemon's generation file, parsed again only when it changes on disk."""
+
+    def __init__(self, path: str, mine: GenerationId) -> None:
+        self.path = path
+        self.mine = mine
+        self._seen: tuple[int, int, int] | None = None
+        self._record: GenerationRecord | None = None
+
+    def newer(self) -> GenerationRecord | None:
+        """A record of this round newer than ``mine``, or None."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if stamp != self._seen:
+            self._seen = stamp
+            try:
+                self._record = read_file(self.path)
+            except (OSError, GenerationRecordError) as exc:
+                log.warning("generation file unreadable; ignoring it", path=self.path,
+                            error=str(exc))
+                self._record = None
+        record = self._record
+        return record if record is not None and record.id.newer_than(self.mine) else None
+
+    def wait(self, deadline: float, clock: Callable[[], float] = time.monotonic
+             ) -> GenerationRecord:
+        while (record := self.newer()) is None:
+            if clock() >= deadline:
+                raise ReformError(f"no generation newer than {self.mine} in {self.path} "
+                                  "within the bound (the daemons did not agree on one)")
+            time.sleep(POLL_S)
+        return record
+
+
+class CollectiveGuard:
+    """Waits on collectives in slices; releases every waiter once ``released()`` says why.
+
+    The main thread waits through ``wait``; DDP's gradient buckets through ``comm_hook``,
+    whose futures the guard's thread completes or fails (the reducer blocks on them).
+    """
+
+    def __init__(self, released: Callable[[], str | None], backend: str,
+                 timeout_s: float) -> None:
+        self.released = released
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.why: str | None = None
+        self._queue: collections.deque[tuple[Any, torch.futures.Future, torch.Tensor]] = (
+            collections.deque())
+        self._wake = threading.Condition()
+        self._closed = False
+        threading.Thread(target=self._serve, name="collective-guard", daemon=True).start()
+
+    def wait(self, work: Any, what: str) -> None:
+        """Block until ``work`` completes; raise ``Released`` or the collective's error."""
+        started = time.monotonic()
+        while not self._done(work, started, what):
+            self._check_released()
+
+    def comm_hook(self, state, bucket):  # noqa: ANN001, ANN201 - DDP checks real annotations
+        """A DDP comm hook: the averaged all-reduce of the default one, through the guard.
+
+        (Unannotated: DDP rejects a hook whose annotations are strings, as they are here.)
+        """
+        buf = bucket.buffer().div_(dist.get_world_size())
+        fut: torch.futures.Future = torch.futures.Future(
+            devices=[buf.device] if buf.is_cuda else None)
+        if self.why is not None:
+            fut.set_exception(Released(self.why))
+            return fut
+        work = dist.all_reduce(buf, async_op=True)
+        with self._wake:
+            self._queue.append((work, fut, buf))
+            self._wake.notify()
+        return fut
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+
+    def _serve(self) -> None:
+        while True:
+            with self._wake:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    self._fail_pending(Released(self.why or "the group was abandoned"))
+                    return
+                work, fut, buf = self._queue.popleft()
+            try:
+                self.wait(work, "gradient all-reduce")
+                fut.set_result(buf)
+            except Exception as exc:  # noqa: BLE001 - handed to the reducer, which raises it
+                fut.set_exception(exc)
+
+    def _fail_pending(self, exc: Exception) -> None:
+        while self._queue:
+            self._queue.popleft()[1].set_exception(exc)
+
+    def _check_released(self) -> None:
+        if self.why is None:
+            self.why = self.released()
+        if self.why is not None:
+            raise Released(self.why)
+
+    def _done(self, work: Any, started: float, what: str) -> bool:
+        if time.monotonic() - started > self.timeout_s:
+            raise RuntimeError(f"{what} timed out after {self.timeout_s:.0f} s "
+                               "(the process group's timeout)")
+        if self.backend == "gloo":
+            try:
+                return bool(work.wait(timeout=timedelta(seconds=SLICE_S)))
+            except RuntimeError as exc:
+                if "timed out" in str(exc).lower():
+                    return False
+                raise
+        if work.is_completed():
+            work.wait()  # raises the collective's error, if any
+            return True
+        time.sleep(SLICE_S / 20)
+        return False
+
+
+def bounded(fn: Callable[[], Any], seconds: float, what: str) -> Any:
+    """``fn()`` in a thread, given up after ``seconds`` (ReformError); its error re-raised.
+
+    A call given up on keeps running in its daemon thread: the worker exits soon after.
+    """
+    result: list[Any] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            error.append(exc)
+
+    thread = threading.Thread(target=run, name=what, daemon=True)
+    thread.start()
+    thread.join(max(seconds, 0.0))
+    if thread.is_alive():
+        raise ReformError(f"{what} did not finish within {seconds:.2f} s")
+    if error:
+        raise ReformError(f"{what} failed: {error[0]}") from error[0]
+    return result[0] if result else None
+
+
+def abandon_group(retain: list[object], backend: str, seconds: float) -> None:
+    """Abort the default group and drop it from torch's registry, keeping it alive."""
+    if not dist.is_initialized():
+        return
+    pg = dist.group.WORLD
+    retain.append(pg)
+    device = torch.device("cuda" if backend == "nccl" else "cpu")
+
+    def abort() -> None:
+        with contextlib.suppress(RuntimeError, AttributeError, NotImplementedError):
+            pg._get_backend(device).abort()
+
+    bounded(abort, seconds, "aborting the old process group")
+    bounded(dist.destroy_process_group, seconds, "leaving the old process group")
+
+
+def join_group(record: GenerationRecord, rank: int, backend: str, device: torch.device,
+               timeout: timedelta, seconds: float) -> None:
+    """Form ``record``'s group as ``rank`` through its store; bounded by ``seconds``."""
+    if record.store is None:
+        raise ReformError(f"generation {record.id} names no store to form through")
+    host, _, port = record.store.rpartition(":")
+
+    def init() -> None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        store = dist.TCPStore(host, int(port), is_master=False,
+                              timeout=timedelta(seconds=max(seconds, 0.1)))
+        dist.init_process_group(backend=backend, store=dist.PrefixStore(record.store_prefix, store),
+                                rank=rank, world_size=record.world_size, timeout=timeout,
+                                device_id=device if backend == "nccl" else None)
+
+    bounded(init, seconds, f"joining generation {record.id} at {record.store}")
+
+
+def newest_state(step: int, device: torch.device) -> tuple[int, int, list[int]]:
+    """(newest step, lowest rank holding it, every rank's step) over the new group."""
+    steps = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)
+    steps[dist.get_rank()] = step
+    dist.all_reduce(steps)
+    every = [int(s) for s in steps.tolist()]
+    newest = max(every)
+    return newest, every.index(newest), every
+
+
+def send_state(state: dict[str, Any] | None, holder: int, device: torch.device
+               ) -> dict[str, Any]:
+    """The holder's training state on every rank (one broadcast of its serialized form)."""
+    mine = dist.get_rank() == holder
+    payload = b""
+    if mine:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        payload = buf.getvalue()
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=holder)
+    data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device) if mine
+            else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
+    dist.broadcast(data, src=holder)
+    if mine:
+        assert state is not None
+        return state
+    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True)
