@@ -227,3 +227,23 @@ def test_a_re_form_that_cannot_finish_falls_back_and_keeps_the_checkpoints(world
     assert latest.latest_step() == reached   # rank 0 saved on its way out: nothing lost
     json.dumps(latest.load_latest().manifest.metadata)  # verifies and loads
     torch.testing.assert_close(latest.load_latest().step, reached)
+
+
+def test_the_holder_of_the_newest_state_hands_it_to_the_survivor_a_step_behind(tmp_path):
+    port = _free_port()
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", RANK=str(rank),
+                   LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "workers" / "handover.py"), str(tmp_path / "out")],
+            env=env, start_new_session=True))
+    try:
+        assert [p.wait(60) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            proctree.kill_tree(p.pid)
+    got = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in (0, 1)]
+    assert got[0] == got[1]           # identical model, optimizer, sampler and LR state
+    assert (got[0]["step"], got[0]["cursor"], got[0]["lrs_used"]) == (1, 8, [0.05])
