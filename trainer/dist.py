@@ -98,7 +98,8 @@ def init_distributed(
     NCCL: binds ``cuda:LOCAL_RANK`` and turns on asynchronous error handling
     (``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``, tear down the communicator and the
     process when a collective fails or exceeds ``timeout``, so torchrun restarts the
-    worker instead of it hanging). ``TORCH_NCCL_BLOCKING_WAIT`` is left unset: with
+    worker instead of it hanging; ``2`` in in-place mode: the communicator only, the
+    process re-forms the group, see trainer.inplace). ``TORCH_NCCL_BLOCKING_WAIT`` is left unset: with
     async handling it is redundant and would make every wait synchronous. Both are
     set only if the user has not set them. gloo enforces ``timeout`` itself.
     Idempotent: a second call returns the device without re-initialising.
@@ -109,7 +110,9 @@ def init_distributed(
     if dist.is_initialized():
         return device
     if backend == "nccl":
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        # In place, a failed collective must leave the process alive to re-form: 2 (clean
+        # up the communicator only) instead of 1 (also kill the process).
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2" if ctx.in_place else "1")
         torch.cuda.set_device(device)
     os.environ.setdefault("MASTER_ADDR", ctx.master_addr)
     os.environ.setdefault("MASTER_PORT", str(ctx.master_port))

@@ -38,3 +38,21 @@ def test_nccl_process_group_ddp_step_and_step_boundary(monkeypatch):
         assert tdist.broadcast_int(7, device) == 7
     finally:
         tdist.shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="NCCL allows one rank per GPU: needs 3")
+def test_nccl_survivors_reform_in_place_after_a_rank_is_killed(tmp_path):
+    """The in-place path on NCCL: 3 ranks on 3 GPUs, rank 2 SIGKILLed, the survivors are
+    released by the record (the communicator is aborted), re-form and complete."""
+    from elasticd import proctree
+    from tests.trainer.test_inplace import World, _final_matches_the_replay
+
+    world = World(tmp_path, 3, "--max-steps=60", "--step-sleep=0.02", gpu=True)
+    try:
+        world.wait_step(10)
+        proctree.kill_tree(world.worker("n2").proc.pid)
+        world.lose("n2")
+        assert world.wait("n0") == 0 and world.wait("n1") == 0
+        _final_matches_the_replay(world, "n0", 60)
+    finally:
+        world.close()

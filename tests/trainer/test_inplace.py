@@ -63,19 +63,24 @@ class Worker:
 class World:
     """N single-worker 'nodes' of one job and the stand-in daemon's store."""
 
-    def __init__(self, tmp: Path, n: int, *extra: str, bound_s: float = 5.0) -> None:
+    def __init__(self, tmp: Path, n: int, *extra: str, bound_s: float = 5.0,
+                 gpu: bool = False) -> None:
         self.tmp = tmp
         self.ckpt = tmp / "ckpt"
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.base = GenerationRecord(GenerationId(0, 0, EPOCH), renumber((f"n{r}", 1)
                                                                          for r in range(n)))
         port = _free_port()
+        self.gpu = gpu
         self.workers = [self._start(r, n, port, bound_s, extra) for r in range(n)]
 
     def _start(self, rank: int, n: int, port: int, bound_s: float, extra: tuple) -> Worker:
         node = f"n{rank}"
+        # gloo unless asked for the GPU path (NCCL then takes one GPU per rank: LOCAL_RANK).
+        devices = {} if self.gpu else {"CUDA_VISIBLE_DEVICES": ""}
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(n), LOCAL_WORLD_SIZE="1",
+                   **devices, RANK=str(rank), LOCAL_RANK=str(rank if self.gpu else 0),
+                   WORLD_SIZE=str(n), LOCAL_WORLD_SIZE="1",
                    GROUP_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    ELASTICD_NODE_ID=node, ELASTICD_GENERATION="0",
                    ELASTICD_GENERATION_EPOCH=EPOCH, ELASTICD_RECOVERY_MODE="in-place",
@@ -234,7 +239,8 @@ def test_the_holder_of_the_newest_state_hands_it_to_the_survivor_a_step_behind(t
     procs = []
     for rank in (0, 1):
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", RANK=str(rank),
-                   LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   CUDA_VISIBLE_DEVICES="", LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port))
         procs.append(subprocess.Popen(
             [sys.executable, str(REPO / "tests" / "workers" / "handover.py"), str(tmp_path / "out")],
