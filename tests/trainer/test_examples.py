@@ -24,3 +24,14 @@ def test_charlm_trains_and_resumes_at_another_world_size(tmp_path):
     assert events[-1]["event"] == "completed" and events[-1]["step"] == 6
     assert all(math.isfinite(e["loss"]) for e in events if e["event"] == "step")
     assert events[-1]["lr"] == pytest.approx(3e-3 / math.sqrt(2), rel=1e-12)  # sqrt rule, base 2
+
+
+def test_heavy_state_is_its_size_and_frozen():
+    from trainer.examples import heavy
+
+    args = heavy.arguments(["--state-mb=4", "--startup-delay-s=0.5"])
+    model, optimizer = heavy.build(args)
+    assert args.startup_delay_s == 0.5 and not model.frozen.requires_grad
+    assert 4 * 2**20 <= heavy.state_bytes(model) < 4 * 2**20 + 10_000   # the MLP is ~2.5 kB
+    trained = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    assert id(model.frozen) not in trained and trained == {id(p) for p in model.mlp.parameters()}
