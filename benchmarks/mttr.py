@@ -151,8 +151,9 @@ FIRST: dict[str, Callable[[str, dict], bool]] = {
     "probe_refused": lambda e, r: "refused its liveness probe" in e,
     "peer_lost": lambda e, r: e.startswith("peer(s) ") and " lost" in e,
     "evicted": lambda e, r: e == "evicted lost peers",
-    # The daemon's cycle sentence once the next generation is agreed (or adopted).
-    "generation_agreed": lambda e, r: "the workers re-form in place" in e,
+    # The daemon's line once the next generation is agreed (written, or adopted: status ok).
+    "generation_agreed": lambda e, r: e == "agreed an in-place generation" or (
+        e == "in-place generation" and r.get("status") == "ok"),
     "reform_failed": lambda e, r: e == "reform-failed",
     "in_place_fallback": lambda e, r: "in-place re-form fell back" in e,
 }
