@@ -1,0 +1,282 @@
+"""Warm worker starts: a per-node server that imported torch once forks every worker.
+
+A cold worker pays ``import torch`` (1.0-1.6 s on this machine) and, at its first DDP
+construction, ``import torch._dynamo`` (another 1.0-1.5 s) before its first step, on
+every torchrun restart of every node. With warm starts the daemon runs one
+``WarmServer`` per node for its whole life (its child: the no-orphan guarantee holds),
+and torchrun runs, as each worker, the thin client::
+
+    python -m elasticd.warmstart SOCKET SCRIPT ARGS...
+
+which hands the server its argv, environment, working directory and standard streams,
+then stands in for the forked worker: signals in, exit status out. A client that finds
+no server starts the script cold (``python -u SCRIPT ARGS``), so a missing server slows
+a start down and never fails it.
+
+Nothing initialises CUDA before the fork (importing torch does not), so a forked worker
+creates its CUDA context as a cold one would. The server stays single-threaded: fork
+from a process with threads is not safe.
+
+Protocol (a Unix stream socket, mode 0600, in the daemon's run dir): the client sends one
+JSON line ``{"argv", "env", "cwd"}`` with its fds 0, 1 and 2 attached (SCM_RIGHTS); the
+server forks and answers ``{"pid": N}``, later ``{"exit": CODE}`` (negative: killed by
+that signal). SIGTERM, SIGINT, SIGHUP and SIGUSR1/2 to the client are forwarded to the
+worker. When the client dies (SIGKILL) the server sees its connection close and
+SIGKILLs the worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+# What a trainer worker imports before its first step (the expensive part of a start).
+DEFAULT_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
+                   "numpy", "structlog", "trainer.loop", "trainer.examples.common",
+                   "checkpointing")
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+_MAX_REQUEST = 1 << 20
+
+
+def preload(modules: Sequence[str]) -> list[str]:
+    """Import ``modules``; returns the ones that failed (a warm start then imports them cold)."""
+    failed = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a missing optional module only costs warmth
+            failed.append(name)
+    return failed
+
+
+class WarmServer:
+    """Accepts start requests on ``path`` and forks a worker for each (see module doc)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            self.listener.bind(path)
+        finally:
+            os.umask(old)
+        self.listener.listen(64)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ)
+        self.workers: dict[int, socket.socket] = {}   # worker pid -> its client's connection
+
+    def serve_forever(self) -> None:
+        while True:
+            for key, _ in self.selector.select(timeout=0.05):
+                if key.fileobj is self.listener:
+                    self._accept()
+                else:
+                    self._client_gone(key.data)
+            self._reap()
+
+    def _accept(self) -> None:
+        conn, _ = self.listener.accept()
+        try:
+            request, fds = _receive(conn)
+            pid = os.fork()
+        except (OSError, ValueError) as exc:
+            with contextlib.suppress(OSError):
+                _send(conn, {"error": str(exc)})
+            conn.close()
+            return
+        if pid == 0:
+            self._become_worker(request, fds)  # never returns
+        for fd in fds:
+            os.close(fd)
+        self.workers[pid] = conn
+        self.selector.register(conn, selectors.EVENT_READ, pid)
+        try:
+            _send(conn, {"pid": pid})
+        except OSError:
+            self._client_gone(pid)
+
+    def _client_gone(self, pid: int) -> None:
+        """The client's connection closed or spoke: it died; its worker must not outlive it."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    def _reap(self) -> None:
+        while self.workers:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.workers.pop(pid, None)
+            if conn is None:
+                continue
+            self.selector.unregister(conn)
+            with contextlib.suppress(OSError):
+                _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
+            conn.close()
+
+    def _become_worker(self, request: dict[str, Any], fds: list[int]) -> None:
+        code = 1
+        try:
+            self.selector.close()
+            self.listener.close()
+            for conn in self.workers.values():
+                conn.close()
+            code = run_worker(request, fds)
+        except BaseException:  # noqa: BLE001 - the worker's exit code says it
+            traceback.print_exc()
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+
+
+def run_worker(request: dict[str, Any], fds: list[int]) -> int:
+    """In the forked child: become the worker the client asked for and run its script."""
+    os.setsid()  # its own session, as torchrun starts workers
+    for sig in (*FORWARDED, signal.SIGCHLD, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_DFL)
+    for target, fd in enumerate(fds[:3]):
+        os.dup2(fd, target)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    _parent_death_kills_me()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    _thread_settings()
+    argv = list(request["argv"])
+    sys.argv = argv
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process' own stdin
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return 0
+
+
+def _thread_settings() -> None:
+    """torch read OMP_NUM_THREADS when the server imported it; apply the worker's own."""
+    torch = sys.modules.get("torch")
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+
+
+def _parent_death_kills_me() -> None:
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PDEATHSIG
+
+
+def _send(conn: socket.socket, message: dict[str, Any]) -> None:
+    conn.sendall(json.dumps(message).encode() + b"\n")
+
+
+def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    conn.settimeout(5.0)
+    data, fds, _, _ = socket.recv_fds(conn, _MAX_REQUEST, 3)
+    while not data.endswith(b"\n"):
+        more = conn.recv(_MAX_REQUEST)
+        if not more:
+            raise ValueError("the client hung up mid-request")
+        data += more
+    conn.settimeout(None)
+    request = json.loads(data)
+    if not (isinstance(request, dict) and isinstance(request.get("argv"), list)
+            and request["argv"] and isinstance(request.get("env"), dict)
+            and isinstance(request.get("cwd"), str) and len(fds) == 3):
+        for fd in fds:
+            os.close(fd)
+        raise ValueError("malformed start request")
+    return request, fds
+
+
+# -- the client (what torchrun runs as a worker) -------------------------------------------
+
+def client(socket_path: str, argv: list[str]) -> None:
+    """Start ``argv`` (SCRIPT ARGS...) through the server; mirror it; never returns."""
+    # Handlers first: a signal that comes before the worker exists is held for it.
+    worker: list[int] = []
+    held: list[int] = []
+    for sig in FORWARDED:
+        signal.signal(sig, lambda s, _f: _forward(worker[0], s) if worker else held.append(s))
+    try:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(socket_path)
+        request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
+        socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
+        reader = conn.makefile("rb")
+        worker.append(int(json.loads(reader.readline() or b"{}")["pid"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        if held:
+            _exit_like(-held[0])
+        _cold(argv)
+    for sig in held:
+        _forward(worker[0], sig)
+    line = reader.readline()  # PEP 475: retried after each forwarded signal
+    _exit_like(json.loads(line).get("exit", 1) if line else 1)
+
+
+def _forward(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def _exit_like(code: int) -> None:
+    sys.stdout.flush()
+    if code < 0:  # the worker died of a signal: so does its stand-in (torchrun reads that)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        time.sleep(1.0)
+    os._exit(code if code >= 0 else 1)
+
+
+def _cold(argv: list[str]) -> None:
+    os.execv(sys.executable, [sys.executable, "-u", *argv])
+
+
+def serve(socket_path: str, imports: Sequence[str] = DEFAULT_IMPORTS) -> None:
+    """The server's main: import, then serve until killed."""
+    failed = preload(imports)
+    if failed:
+        print(json.dumps({"event": "warm imports failed", "modules": failed}), file=sys.stderr)
+    server = WarmServer(socket_path)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    server.serve_forever()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) >= 2 and args[0] == "--serve":
+        serve(args[1], args[2:] or DEFAULT_IMPORTS)
+    elif len(args) >= 2:
+        client(args[0], args[1:])
+    else:
+        sys.exit("usage: python -m elasticd.warmstart SOCKET SCRIPT [ARGS...]\n"
+                 "       python -m elasticd.warmstart --serve SOCKET [MODULE ...]")
+
+
+if __name__ == "__main__":
+    main()

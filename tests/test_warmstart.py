@@ -1,0 +1,98 @@
+"""Warm worker starts (elasticd.warmstart): a real server forks real workers for real clients."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from elasticd import proctree
+
+REPO = Path(__file__).resolve().parents[1]
+
+SCRIPT = """
+import os, signal, sys, time
+import torch
+if sys.argv[1] == "wait-term":
+    # os.write: a print in the handler could re-enter the print that is still flushing.
+    signal.signal(signal.SIGTERM, lambda *_: (os.write(1, b"got SIGTERM\\n"), sys.exit(75)))
+print("worker", os.getpid(), torch.get_num_threads(), os.environ.get("MARK"), sys.argv[1:],
+      os.getcwd(), flush=True)
+if sys.argv[1] == "wait-term":
+    time.sleep(60)
+if sys.argv[1] == "sleep":
+    time.sleep(60)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("warm")
+    sock = root / "warm.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "elasticd.warmstart", "--serve", str(sock),
+                             "torch"], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proctree.wait_for(sock.exists, 60), "the server never listened"
+    (root / "w.py").write_text(SCRIPT)
+    yield root, sock, proc
+    proctree.kill_tree(proc.pid)
+    proc.wait()
+
+
+def _client(root: Path, sock: Path, *args: str, **kw) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO), MARK="m", OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "elasticd.warmstart", str(sock),
+                             str(root / "w.py"), *args], cwd=root, env=env, text=True,
+                            stdout=subprocess.PIPE, start_new_session=True, **kw)
+
+
+def test_a_warm_start_runs_the_script_with_the_clients_argv_env_cwd_and_exit_code(server):
+    root, sock, _ = server
+    client = _client(root, sock, "3")
+    out, _ = client.communicate(timeout=30)
+    assert client.returncode == 3
+    pid, threads, mark, argv, cwd = out.split(" ", 5)[1:]
+    assert (threads, mark, argv, cwd.strip()) == ("1", "m", "['3']", str(root))
+    assert int(pid) != client.pid            # forked by the server, not exec'd by the client
+
+
+def test_sigterm_to_the_client_reaches_the_worker(server):
+    root, sock, _ = server
+    client = _client(root, sock, "wait-term")
+    assert client.stdout.readline().startswith("worker")
+    client.send_signal(signal.SIGTERM)
+    assert client.wait(30) == 75
+    assert "got SIGTERM" in client.stdout.read()
+
+
+def test_a_sigkilled_client_takes_its_worker_along(server):
+    root, sock, proc = server
+    client = _client(root, sock, "sleep")
+    worker = int(client.stdout.readline().split()[1])
+    client.kill()
+    client.wait()
+    gone = proctree.wait_for(lambda: not proctree.pid_alive(worker), 10)
+    assert gone, "the worker outlived its client"
+    assert psutil.Process(proc.pid).status() != psutil.STATUS_ZOMBIE
+
+
+def test_without_a_server_the_client_starts_the_script_cold(tmp_path):
+    (tmp_path / "w.py").write_text(SCRIPT)
+    client = _client(tmp_path, tmp_path / "absent.sock", "4")
+    out, _ = client.communicate(timeout=60)
+    assert client.returncode == 4 and int(out.split()[1]) == client.pid
+
+
+def test_a_worker_killed_by_a_signal_makes_its_client_die_of_it(server):
+    root, sock, _ = server
+    client = _client(root, sock, "sleep")
+    worker = int(client.stdout.readline().split()[1])
+    os.kill(worker, signal.SIGKILL)
+    assert client.wait(30) == -signal.SIGKILL
+    time.sleep(0.1)
