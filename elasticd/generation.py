@@ -214,6 +214,22 @@ class WorldView:
     nproc: int
     world_size: int
 
+    def to_record(self) -> dict[str, Any]:
+        """The ``world`` field of the node's etcd record (the node id is the key's)."""
+        return {"generation": self.generation.as_dict(), "first_rank": self.first_rank,
+                "nproc": self.nproc, "world_size": self.world_size}
+
+    @classmethod
+    def from_record(cls, node: str, raw: Any) -> WorldView:
+        """Parse a record's ``world`` field; ``GenerationRecordError`` names what is wrong."""
+        _require(isinstance(raw, Mapping), "world", raw, "an object")
+        first, nproc, size = raw.get("first_rank"), raw.get("nproc"), raw.get("world_size")
+        _require(_is_count(first), "world first_rank", first, "an integer >= 0")
+        _require(_is_count(nproc) and nproc >= 1, "world nproc", nproc, "an integer >= 1")
+        _require(_is_count(size) and size >= first + nproc, "world world_size", size,
+                 "an integer >= first_rank + nproc")
+        return cls(node, GenerationId.from_dict(raw.get("generation")), first, nproc, size)
+
 
 def current_world(views: Iterable[WorldView]) -> GenerationRecord | None:
     """The record of the newest generation the nodes report, if their reports cover it.
