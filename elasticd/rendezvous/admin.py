@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import structlog
 
-from elasticd.etcd_client import EtcdClient, KeyValue, no_retry
+from elasticd.etcd_client import EtcdClient, KeyValue, deadline, no_retry
 from elasticd.rendezvous import state_ops
 from elasticd.rendezvous.keys import JobKeys
 from elasticd.rendezvous.state_ops import Removal, RoundView
@@ -84,6 +84,42 @@ def reopen_if_closed(client: EtcdClient, keys: JobKeys, deadline_s: float = 2.0)
     elif gave_up:
         log.warning("gave up reopening the rendezvous after repeated races", budget_s=deadline_s)
     return changed
+
+
+# torch's exit barrier (torch/distributed/elastic/agent/server/api.py ``_exit_barrier`` and
+# utils/store.py ``barrier``): each agent whose workers succeeded adds 1 to
+# ``<prefix>/num_members``; the one that reaches ``group_world_size`` sets
+# ``<prefix>/last_member``, on which all wait (300 s). The agents' store is the round's
+# ``PrefixStore`` (dynamic_rendezvous ``_wrap_store``), which joins prefix and key with "/".
+EXIT_BARRIER_KEY = "torchelastic/agent/terminal_state/last_member"
+_BARRIER_VALUE = b"<val_ignored>"
+
+
+def exit_barrier_key(keys: JobKeys, round_: int) -> str:
+    """The etcd key of round ``round_``'s exit-barrier release in the agents' store."""
+    return f"{keys.store}torch.rendezvous.{keys.job_id}.{round_}/{EXIT_BARRIER_KEY}"
+
+
+def release_exit_barrier(client: EtcdClient, keys: JobKeys, round_: int,
+                         deadline_s: float = 1.0) -> bool:
+    """Release round ``round_``'s exit barrier; True if this call set it.
+
+    After an in-place shrink the lost nodes' agents never reach the barrier, so the
+    survivors would wait its whole timeout at the job's end. Fenced: only while the
+    rendezvous state is still at that round (a newer round's agents wait under another
+    prefix), and only if absent (the key is torch's; an agent may have set it). The key
+    lives on the run's lease, as the agents' own store keys do. ``deadline_s`` bounds the
+    call; an outage raises ``EtcdError`` at once.
+    """
+    with no_retry(), deadline(deadline_s):
+        kv = client.get(keys.rdzv_state)
+        if kv is None or state_ops.view(kv.value, keys.rdzv_state).round != round_:
+            return False
+        won, _ = client.put_or_create(exit_barrier_key(keys, round_), _BARRIER_VALUE, None,
+                                      lease=kv.lease_id or None)
+    if won:
+        log.info("released the exit barrier of the old round", round=round_)
+    return won
 
 
 def current_round(client: EtcdClient, keys: JobKeys) -> RoundView | None:

@@ -154,3 +154,77 @@ def test_a_crafted_state_never_reaches_torch(client, keys, tmp_path):
     with pytest.raises(RendezvousStateError):
         holder.sync()
     assert not marker.exists()
+
+
+# -- the exit barrier after an in-place shrink -------------------------------------------
+
+def _agent_store(client, keys, round_):
+    """The store torch's agents run the exit barrier on: the round's PrefixStore over ours."""
+    import torch.distributed as dist
+
+    from elasticd.rendezvous.store import EtcdV3Store
+
+    base = EtcdV3Store(client, keys.store)
+    return base, dist.PrefixStore(f"torch.rendezvous.{keys.job_id}.{round_}", base)
+
+
+def _barrier_in_thread(store, world_size, timeout_s):
+    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+    from torch.distributed.elastic.utils import store as store_util
+
+    outcome = {}
+
+    def run():
+        started = time.monotonic()
+        try:
+            store_util.barrier(store, world_size, _TERMINAL_STATE_SYNC_ID, barrier_timeout=timeout_s)
+            outcome["ok"] = time.monotonic() - started
+        except Exception as exc:  # the timeout, if the release did not reach torch
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_the_exit_barrier_release_frees_survivors_that_wait_for_lost_agents(client, keys):
+    lease = client.grant_lease(60)
+    client.put(keys.rdzv_state, state(node("a", 1), node("b", 2), node("c", 3)), lease=lease)
+    _base, store = _agent_store(client, keys, 3)
+    # Two survivors of a world of three agents: torch would wait its whole timeout.
+    waiting = [_barrier_in_thread(store, 3, timeout_s=20) for _ in range(2)]
+    time.sleep(0.5)
+    assert all(not outcome for _, outcome in waiting)
+    assert admin.release_exit_barrier(client, keys, 3, deadline_s=1.0)
+    for thread, outcome in waiting:
+        thread.join(timeout=10)
+        assert "ok" in outcome and outcome["ok"] < 10
+    kv = client.get(admin.exit_barrier_key(keys, 3))
+    assert kv.lease_id == lease                      # on the run's lease, as torch's keys
+    assert not admin.release_exit_barrier(client, keys, 3)   # already set: nothing to do
+
+
+def test_a_released_barrier_lets_later_arrivals_through_at_once(client, keys):
+    client.put(keys.rdzv_state, state(node("a", 1), node("b", 2)))
+    assert admin.release_exit_barrier(client, keys, 3)
+    _base, store = _agent_store(client, keys, 3)
+    thread, outcome = _barrier_in_thread(store, 2, timeout_s=20)
+    thread.join(timeout=10)
+    assert outcome["ok"] < 5
+
+
+def test_the_exit_barrier_release_is_fenced_on_the_round(client, keys):
+    client.put(keys.rdzv_state, state(node("a", 1), round_=4))
+    assert not admin.release_exit_barrier(client, keys, 3)   # a newer round: moot
+    assert client.get(admin.exit_barrier_key(keys, 3)) is None
+    client.delete(keys.rdzv_state)
+    assert not admin.release_exit_barrier(client, keys, 3)
+
+
+def test_the_exit_barrier_release_is_bounded_when_etcd_is_down():
+    down = EtcdClient(EtcdSettings(endpoints=("127.0.0.1:1",), timeout_s=0.5, retry_s=10))
+    started = time.monotonic()
+    with pytest.raises(EtcdError):
+        admin.release_exit_barrier(down, JobKeys("j"), 3, deadline_s=0.5)
+    assert time.monotonic() - started < 2
+    down.close()
