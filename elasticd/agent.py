@@ -49,6 +49,11 @@ class RunFiles:
         return self.run_dir / "stop"
 
     @property
+    def generation(self) -> Path:
+        """The generation record for this node's workers (in-place re-forms; the daemon writes)."""
+        return self.run_dir / "generation.json"
+
+    @property
     def tmp(self) -> Path:
         """TMPDIR of the agent and workers: torchrun leaves a torchelastic_* dir per start."""
         return self.run_dir / "tmp"
@@ -111,6 +116,9 @@ def worker_settings(config: Config, files: RunFiles) -> WorkerSettings:
         stop_file=str(files.stop),
         progress_file=str(files.progress),
         daemon_pid=os.getpid(),
+        recovery_mode=config.recovery.mode,
+        recovery_bound_s=config.recovery.bound_s,
+        generation_file=str(files.generation),
     )
 
 

@@ -22,7 +22,14 @@ from elasticd.errors import ConfigError
 from elasticd.etcd_client import EtcdSettings, parse_endpoint
 from elasticd.preemption import PreemptionConfig
 from elasticd.rendezvous.keys import check_job_id
-from elasticd.worker_contract import DEFAULT_LR_RULE, KEEP_LAST_RULE, LR_RULES, is_valid_keep_last
+from elasticd.worker_contract import (
+    DEFAULT_LR_RULE,
+    DEFAULT_RECOVERY_BOUND_S,
+    KEEP_LAST_RULE,
+    LR_RULES,
+    RECOVERY_MODES,
+    is_valid_keep_last,
+)
 
 
 def _require(ok: bool, key: str, value: Any, fix: str) -> None:
@@ -186,6 +193,27 @@ class SupervisorConfig:
 
 
 @dataclass(frozen=True)
+class RecoveryConfig:
+    """``[recovery]``: how workers recover from a lost peer (docs/architecture.md).
+
+    ``in-place``: the survivors keep their processes and re-form the group through the
+    daemons' agreed generation; ``restart``: they are killed and torchrun starts new ones.
+    """
+
+    mode: str = "in-place"
+    bound_s: float = DEFAULT_RECOVERY_BOUND_S   # longest a re-form may take (worker side)
+    store_port: int = 0                         # the daemon's TCP store; 0 = ephemeral
+
+    def __post_init__(self) -> None:
+        _require(self.mode in RECOVERY_MODES, "recovery.mode", self.mode,
+                 f"use one of {', '.join(repr(m) for m in RECOVERY_MODES)}")
+        _require(0 < self.bound_s <= 600, "recovery.bound_s", self.bound_s,
+                 "use seconds in (0, 600] (the longest an in-place re-form may take)")
+        _require(0 <= self.store_port < 65536, "recovery.store_port", self.store_port,
+                 "use 0 (an ephemeral port) or a free TCP port")
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     port: int = 0                      # 0 = no metrics endpoint
     addr: str = "127.0.0.1"
@@ -205,6 +233,7 @@ class Config:
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     source: str = "<dict>"
 
     def __post_init__(self) -> None:
@@ -238,7 +267,7 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
 _SECTIONS: dict[str, type] = {
     "job": JobConfig, "etcd": EtcdConfig, "node": NodeConfig, "rendezvous": RendezvousConfig,
     "checkpoint": CheckpointConfig, "lr": LrConfig, "supervisor": SupervisorConfig,
-    "preemption": PreemptionConfig, "metrics": MetricsConfig,
+    "preemption": PreemptionConfig, "metrics": MetricsConfig, "recovery": RecoveryConfig,
 }
 # Sections that hot-reload on SIGHUP without restarting anything.
 # checkpoint and lr reach the workers through the agent's environment: they apply

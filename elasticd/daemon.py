@@ -38,7 +38,7 @@ from typing import Any
 import psutil
 import structlog
 
-from elasticd import __version__, proctree
+from elasticd import __version__, generation, proctree
 from elasticd.agent import AgentProcess, RunFiles, etcd_auth, prune_log_dirs, torchrun_command, worker_env
 from elasticd.config import RELOADABLE, Config, load_config
 from elasticd.errors import ElasticdError, EtcdError
@@ -49,11 +49,23 @@ from elasticd.metrics import Metrics
 from elasticd.observer import CheckpointScanner, JobReader, ProgressReader, reap_orphans
 from elasticd.preemption import Notice, PreemptionWatcher
 from elasticd.probe import Prober, ProbeServer
+from elasticd.recovery import StoreHost, shrink_world
 from elasticd.rendezvous import admin
 from elasticd.rendezvous.keys import JobKeys
 from elasticd.rendezvous.torch_compat import check_torch_apis
 from elasticd.sdnotify import SystemdNotifier, WatchdogGate
-from elasticd.supervisor import Action, Decision, Eviction, Kind, Memory, Phase, Policy, Snapshot, decide
+from elasticd.supervisor import (
+    Action,
+    Decision,
+    Eviction,
+    Kind,
+    Memory,
+    Phase,
+    Policy,
+    ShrinkOutcome,
+    Snapshot,
+    decide,
+)
 
 log = structlog.get_logger("elasticd.daemon")
 
@@ -94,6 +106,8 @@ class Daemon:
         self._drain_request: str | None = None
         self._notice_deadline: float | None = None
         self._eviction: Eviction | None = None
+        self._shrink: ShrinkOutcome | None = None
+        self.store_host = StoreHost(config.node.addr, config.recovery.store_port)
         self._status_at = float("-inf")
         self._checkpoint_seen: tuple[int | None, float] = (None, clock())
         self._stop = threading.Event()
@@ -120,6 +134,7 @@ class Daemon:
     def _connect(self) -> None:
         self.client = EtcdClient(self.config.etcd.settings(retry_s=30.0))
         self.probe_server = ProbeServer(self.config.node.addr).start()
+        self.store_host.start()
         self.membership = Membership(self.client, self.keys, self.node_id,
                                      self.config.node.lease_ttl_s, self._initial_record(),
                                      clock=self.clock)
@@ -154,6 +169,7 @@ class Daemon:
     def _initial_record(self) -> dict[str, Any]:
         return {"host": socket.gethostname(), "addr": self.config.node.addr,
                 "daemon_pid": os.getpid(), "probe": self.probe_server.endpoint,
+                "store": self.store_host.endpoint,
                 "version": __version__, "state": "starting", "devices": _devices()}
 
     def _install_signals(self) -> None:
@@ -219,6 +235,7 @@ class Daemon:
             self.scanner.poke()
         self._progress_seen = progress
         eviction, self._eviction = self._eviction, None
+        shrink, self._shrink = self._shrink, None
         agent = self.agent
         return Snapshot(
             now=self.clock(),
@@ -232,7 +249,10 @@ class Daemon:
             refused=tuple(p.view() for p in self.prober.take_refused()),
             departed=tuple(p.view() for p in self.membership.take_departed()),
             confirmations=self.prober.take_confirmations(),
-            eviction=eviction, checkpoint_step=self.scanner.step, rank0_here=progress.rank == 0)
+            eviction=eviction, checkpoint_step=self.scanner.step, rank0_here=progress.rank == 0,
+            node_id=self.node_id, generation=progress.generation,
+            world=progress.world(self.node_id), reform=progress.reform, shrink=shrink,
+            generation_record=job.generation)
 
     def _execute(self, action: Action) -> None:
         try:
@@ -379,6 +399,58 @@ class Daemon:
             self.log.warning("could not leave the rendezvous; peers evict us by keep-alive",
                              reason=str(exc))
 
+    def _shrink_world(self, action: Action) -> None:
+        """Agree the next in-place generation, hand it to our workers, and (if this
+        daemon's write made it) release the old round's exit barrier."""
+        lost = action["lost"]
+        try:
+            out = shrink_world(self.client, self.keys, self.node_id, lost, action["cause"],
+                               action["generation"], self._world_views(action["peers"]),
+                               self._stores(), deadline_s=RDZV_EDIT_S)
+        except EtcdError as exc:
+            out = ShrinkOutcome(lost, "failed", reason=f"etcd did not answer: {exc}")
+        if out.status == "ok":
+            out = self._hand_over(out)
+        self._shrink = out
+        self.log.info("in-place generation", status=out.status, lost=list(lost),
+                      generation=str(out.record.id) if out.record else None, reason=out.reason)
+        if out.wrote and out.status in ("ok", "fenced"):
+            self._release_exit_barrier(out.record)
+
+    def _hand_over(self, out: ShrinkOutcome) -> ShrinkOutcome:
+        try:
+            generation.write_file(str(self.files.generation), out.record)
+        except OSError as exc:
+            return dataclasses.replace(out, status="failed",
+                                       reason=f"the generation file was not written: {exc}")
+        return out
+
+    def _world_views(self, dead: tuple) -> list[generation.WorldView]:
+        """One view per node: the dead peers' last, the live peers', ours last (freshest)."""
+        views = {p.node_id: p.world for p in dead if p.world is not None}
+        views.update({n: p.world for n, p in self.membership.peers().items() if p.world})
+        mine = self.progress.progress.world(self.node_id)
+        if mine is not None:
+            views[self.node_id] = mine
+        return list(views.values())
+
+    def _stores(self) -> dict[str, str]:
+        stores = {n: p.store for n, p in self.membership.peers().items() if p.store}
+        if self.store_host.endpoint is not None:
+            stores[self.node_id] = self.store_host.endpoint
+        return stores
+
+    def _release_exit_barrier(self, record: generation.GenerationRecord) -> None:
+        try:
+            admin.release_exit_barrier(self.client, self.keys, record.id.round,
+                                       deadline_s=RDZV_EDIT_S)
+        except EtcdError as exc:
+            self.log.warning("could not release the old round's exit barrier; the survivors "
+                             "wait torch's exit-barrier timeout at the job's end", reason=str(exc))
+
+    def _write_generation(self, action: Action) -> None:
+        generation.write_file(str(self.files.generation), action["record"])
+
     def _reopen_rendezvous(self, action: Action) -> None:
         admin.reopen_if_closed(self.client, self.keys, deadline_s=RDZV_EDIT_S)
 
@@ -438,6 +510,7 @@ class Daemon:
         self.prober.stop()
         self.scanner.stop()
         self.probe_server.stop()
+        self.store_host.stop()
         if self.preemption is not None:
             self.preemption.stop()
         with deadline(CYCLE_DEADLINE_S):
@@ -465,6 +538,8 @@ ACTIONS: dict[Kind, Callable[[Daemon, Action], None]] = {
     Kind.TOUCH_STOP_FILE: Daemon._touch_stop_file,
     Kind.DELETE_DRAIN_KEY: Daemon._delete_drain_key,
     Kind.NOTIFY: Daemon._notify,
+    Kind.SHRINK: Daemon._shrink_world,
+    Kind.WRITE_GENERATION: Daemon._write_generation,
 }
 
 
@@ -481,7 +556,8 @@ def policy_from(config: Config) -> Policy:
         backoff_initial_s=sup.backoff_initial_s, backoff_max_s=sup.backoff_max_s,
         crash_loop_failures=sup.crash_loop_failures, crash_loop_window_s=sup.crash_loop_window_s,
         drain_grace_s=sup.drain_grace_s, hang_timeout_s=sup.hang_timeout_s,
-        hang_floor_s=sup.hang_floor_s, hang_factor=sup.hang_factor)
+        hang_floor_s=sup.hang_floor_s, hang_factor=sup.hang_factor,
+        recovery_mode=config.recovery.mode, recovery_bound_s=config.recovery.bound_s)
 
 
 def config_diff(old: Config, new: Config) -> tuple[dict[str, list], dict[str, list]]:

@@ -51,9 +51,15 @@ FAST_RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attem
 def write_config(path: Path, *, job: str, node: str, endpoint: str, run_dir: Path, ckpt_dir: Path,
                  min_nodes: int = 1, max_nodes: int = 3, entrypoint: list[str] | None = None,
                  lease_ttl_s: int = 5, every_steps: int = 20, extra: str = "",
-                 sections: str = "") -> Path:
-    """A node's TOML config; ``extra`` lines go into [supervisor], ``sections`` at the end."""
+                 sections: str = "", recovery: str | None = None) -> Path:
+    """A node's TOML config; ``extra`` lines go into [supervisor], ``sections`` at the end.
+
+    ``recovery``: ``[recovery] mode`` ("in-place" | "restart"); None leaves the config's
+    default (in-place) and the section to ``sections``.
+    """
     entry = entrypoint or [MLP, *TRAIN_ARGS]
+    if recovery is not None:
+        sections = f'[recovery]\nmode = "{recovery}"\n{sections}'
     path.write_text(f"""
 [job]
 id = "{job}"

@@ -33,6 +33,7 @@ import structlog
 
 from elasticd.errors import EtcdError
 from elasticd.etcd_client import EtcdClient, KeyValue, WatchEvent
+from elasticd.generation import GenerationRecordError, WorldView
 from elasticd.lease import LeaseKeeper
 from elasticd.rendezvous.keys import JobKeys
 from elasticd.supervisor import PeerView
@@ -49,6 +50,8 @@ class Peer:
     node_id: str
     record: dict[str, Any]
     mod_revision: int
+    world: WorldView | None = None   # what its workers report of their world (validated)
+    store: str | None = None         # HOST:PORT of its daemon's TCP store (validated)
 
     @property
     def state(self) -> str:
@@ -64,7 +67,8 @@ class Peer:
         return (self.record.get("addr", ""), pid) if pid else None
 
     def view(self) -> PeerView:
-        return PeerView(self.node_id, self.state, self.agent, self.mod_revision, self.probe)
+        return PeerView(self.node_id, self.state, self.agent, self.mod_revision, self.probe,
+                        world=self.world, store=self.store)
 
 
 def parse_record(node_id: str, value: bytes, mod_revision: int) -> Peer | None:
@@ -79,7 +83,29 @@ def parse_record(node_id: str, value: bytes, mod_revision: int) -> Peer | None:
         log.warning("ignoring a malformed node record", key=f"nodes/{node_id}", problem=problem)
         return None
     record.setdefault("state", "starting")
-    return Peer(node_id, record, mod_revision)
+    return Peer(node_id, record, mod_revision, _world(node_id, record), _store(node_id, record))
+
+
+def _world(node_id: str, record: dict[str, Any]) -> WorldView | None:
+    """The record's ``world``; a malformed one leaves the peer's world unknown (restart path)."""
+    raw = record.get("world")
+    if raw is None:
+        return None
+    try:
+        return WorldView.from_record(node_id, raw)
+    except GenerationRecordError as exc:
+        log.warning("ignoring a malformed world in a node record", key=f"nodes/{node_id}",
+                    problem=str(exc))
+        return None
+
+
+def _store(node_id: str, record: dict[str, Any]) -> str | None:
+    store = record.get("store")
+    if store is None or (isinstance(store, str) and _is_endpoint(store)):
+        return store
+    log.warning("ignoring a malformed store endpoint in a node record", key=f"nodes/{node_id}",
+                problem=f"store {store!r} is not HOST:PORT")
+    return None
 
 
 def _record_problem(record: Any) -> str | None:

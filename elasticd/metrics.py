@@ -24,7 +24,8 @@ class Metrics:
                                        ["cause"], registry=r)
         self.recovery_seconds = Histogram(
             "elasticd_recovery_seconds", "From a fault seen by this daemon to the next completed "
-            "step, by kind (peer-crashed, peer-silent, peer-left, worker-crash, agent-crash, hang)",
+            "step, by kind (peer-crashed, peer-silent, peer-left, worker-crash, agent-crash, hang; "
+            "in-place: from the loss decision to the workers' re-form report)",
             ["kind"], buckets=(0.5, 1, 2, 3, 5, 8, 13, 20, 30, 60, 120, 300, 600), registry=r)
         self.steps_per_second = Gauge("elasticd_steps_per_second",
                                       "Training steps per second (median of recent steps)", registry=r)
@@ -38,6 +39,10 @@ class Metrics:
             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2), registry=r)
         self.evictions = Counter("elasticd_peer_evictions", "Peers evicted from the rendezvous, "
                                  "by how they went (crashed, silent, left)", ["how"], registry=r)
+
+        self.in_place_recoveries = Counter(
+            "elasticd_in_place_recoveries", "In-place re-forms after a lost peer, by outcome "
+            "(ok; fallback: the workers were restarted instead)", ["outcome"], registry=r)
 
     def serve(self, addr: str, port: int) -> None:
         start_http_server(port, addr=addr, registry=self.registry)

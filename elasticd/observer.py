@@ -9,6 +9,7 @@ prefix, can neither crash the loop nor steer it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -23,8 +24,10 @@ import structlog
 
 from elasticd.errors import EtcdError
 from elasticd.etcd_client import EtcdClient, KeyValue
+from elasticd.generation import GenerationId, GenerationRecord, GenerationRecordError, WorldView
 from elasticd.rendezvous import state_ops
 from elasticd.rendezvous.keys import JobKeys
+from elasticd.supervisor import Reform
 
 log = structlog.get_logger(__name__)
 
@@ -38,18 +41,57 @@ class Progress:
     event: str | None = None
     restart_count: int | None = None
     rank: int | None = None          # the global rank of the node's local rank 0
+    generation: GenerationId | None = None   # the workers' generation (absent: plain torchrun)
+    local_world_size: int | None = None
+    reform: Reform | None = None     # the details of a reformed / reform-failed event
+
+    def world(self, node: str) -> WorldView | None:
+        """What this node publishes of its workers' world (``world`` in its record)."""
+        if self.generation is None or None in (self.rank, self.local_world_size, self.world_size):
+            return None
+        try:
+            return WorldView.from_record(node, {
+                "generation": self.generation.as_dict(), "first_rank": self.rank,
+                "nproc": self.local_world_size, "world_size": self.world_size})
+        except GenerationRecordError:
+            return None
+
+
+_REFORM_EVENTS = ("reformed", "reform-failed")
 
 
 def parse_progress(raw: Any) -> Progress | None:
     if not isinstance(raw, dict):
         return None
-    step, world, event, restarts, rank = (raw.get(k) for k in (
-        "step", "world_size", "event", "restart_count", "rank"))
-    if not all(v is None or type(v) is int for v in (step, world, restarts, rank)):
+    step, world, event, restarts, rank, local = (raw.get(k) for k in (
+        "step", "world_size", "event", "restart_count", "rank", "local_world_size"))
+    if not all(v is None or type(v) is int for v in (step, world, restarts, rank, local)):
         return None
     if event is not None and not isinstance(event, str):
         return None
-    return Progress(step, world, event, restarts, rank)
+    generation = _generation(raw.get("generation"))
+    reform = _reform(event, raw) if event in _REFORM_EVENTS else None
+    return Progress(step, world, event, restarts, rank, generation, local, reform)
+
+
+def _generation(raw: Any) -> GenerationId | None:
+    # A garbled generation leaves the world unknown (the restart path), not the record.
+    if raw is None:
+        return None
+    try:
+        return GenerationId.from_dict(raw)
+    except GenerationRecordError:
+        return None
+
+
+def _reform(event: str, raw: dict[str, Any]) -> Reform:
+    def typed(name: str, kind: type | tuple[type, ...]) -> Any:
+        value = raw.get(name)
+        return value if isinstance(value, kind) and not isinstance(value, bool) else None
+
+    duration = typed("duration_s", (int, float))
+    return Reform(event, None if duration is None else float(duration),
+                  typed("from_world_size", int), typed("cause", str), typed("reason", str))
 
 
 class ProgressReader:
@@ -87,11 +129,13 @@ class JobView:
     drain_reason: str | None = None   # set when `elasticd drain` asked for this node
     rdzv_closed: bool = False
     round: int | None = None
+    generation: GenerationRecord | None = None   # the agreed in-place generation
     ok: bool = True                   # the last read succeeded
 
 
 class JobReader:
-    """Reads ``/state``, this node's drain key and the rendezvous state every ``every_s``.
+    """Reads ``/state``, this node's drain key, the rendezvous state and the agreed
+    generation every ``every_s``.
 
     One atomic read (fail-fast, within the caller's deadline); on an etcd error the
     last view is kept with ``ok=False``.
@@ -115,18 +159,28 @@ class JobReader:
             return self.view
         self._read_at = now
         try:
-            found, _ = self._client.get_many([self._keys.state, self._drain_key, self._keys.rdzv_state])
+            found, _ = self._client.get_many([self._keys.state, self._drain_key,
+                                              self._keys.rdzv_state, self._keys.generation])
             self.round_trips.append(self._clock() - now)
         except EtcdError:
-            self.view = JobView(self.view.job_state, self.view.drain_reason, self.view.rdzv_closed,
-                                self.view.round, ok=False)
+            self.view = dataclasses.replace(self.view, ok=False)
             return self.view
         rdzv = self._round(found.get(self._keys.rdzv_state))
         self.view = JobView(
             job_state=self._field(found.get(self._keys.state), "state"),
             drain_reason=self._drain(found.get(self._drain_key)),
-            rdzv_closed=bool(rdzv and rdzv.closed), round=rdzv.round if rdzv else None)
+            rdzv_closed=bool(rdzv and rdzv.closed), round=rdzv.round if rdzv else None,
+            generation=self._generation_record(found.get(self._keys.generation)))
         return self.view
+
+    def _generation_record(self, kv: KeyValue | None) -> GenerationRecord | None:
+        if kv is None:
+            return None
+        try:
+            return GenerationRecord.from_json(kv.value)
+        except GenerationRecordError as exc:
+            self._warn(kv, str(exc))
+            return None
 
     def _object(self, kv: KeyValue | None) -> dict[str, Any] | None:
         if kv is None:

@@ -16,7 +16,10 @@ the first matching phase rule. Phases and their edges::
     IDLE ──start──▶ RUNNING ──exit 0──▶ COMPLETED
       ▲                │ └──exit ≠ 0──▶ BACKOFF ──delay over──▶ (start) RUNNING
       │                │                   └──crash loop──▶ FAILED
-      │                ├──dead peer──▶ RUNNING (evict it; kill the old world's workers)
+      │                ├──dead peer──▶ RUNNING (evict it; kill the old world's workers, or
+      │                │                 in-place mode: agree the next generation, the
+      │                │                 workers re-form; a re-form that fails or takes
+      │                │                 too long falls back to the kill)
       │                └──training hang──▶ RUNNING (kill our workers: a crash)
     any non-final ──drain──▶ DRAINING ──agent gone──▶ STOPPED
     any non-final ──job completed elsewhere, agent gone──▶ COMPLETED
@@ -31,6 +34,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
+
+from elasticd.generation import GenerationId, GenerationRecord, WorldView
 
 
 class Phase(enum.Enum):
@@ -68,6 +73,9 @@ class Kind(enum.Enum):
     TOUCH_STOP_FILE = "touch_stop_file"        # the workers' coordinated-stop flag
     DELETE_DRAIN_KEY = "delete_drain_key"
     NOTIFY = "notify"                          # systemd; data: what (ready | stopping)
+    SHRINK = "shrink"                          # agree the next generation without lost nodes;
+    #                                            data: lost, cause, peers, generation
+    WRITE_GENERATION = "write_generation"      # hand an agreed record to our workers; data: record
 
 
 @dataclass(frozen=True)
@@ -110,6 +118,12 @@ class Policy:
     hang_factor: float = 20.0
     # The rank-0 node journals a progress point this often (timelines of real jobs).
     progress_every_s: float = 30.0
+    # [recovery]: "in-place" re-forms the survivors' group after a lost peer; "restart"
+    # kills them for torchrun. The decisions' own default is restart (the tests of the
+    # restart path); the config's default is in-place.
+    recovery_mode: str = "restart"
+    # The workers' re-form bound; the daemon waits IN_PLACE_SLACK_S more, then kills them.
+    recovery_bound_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -121,6 +135,8 @@ class PeerView:
     agent: tuple[str, int] | None = None
     mod_revision: int = 0
     probe: str | None = None               # HOST:PORT of its liveness probe
+    world: WorldView | None = None         # its workers' world, as its record says
+    store: str | None = None               # HOST:PORT of its daemon's TCP store
 
 
 @dataclass(frozen=True)
@@ -135,6 +151,34 @@ class Eviction:
     peers: tuple[str, ...]
     ok: bool
     in_round: bool | None = None
+
+
+@dataclass(frozen=True)
+class Reform:
+    """A ``reformed`` / ``reform-failed`` progress record's details (None: not given)."""
+
+    event: str
+    duration_s: float | None = None
+    from_world_size: int | None = None
+    cause: str | None = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class ShrinkOutcome:
+    """What the last SHRINK did (``recovery.shrink_world``).
+
+    ``status``: ``ok`` (a record naming us is agreed and handed to our workers),
+    ``fenced`` (the agreed record leaves us out), ``unneeded`` (the lost nodes were not
+    in our workers' world), ``failed`` (no in-place generation: ``reason`` says why).
+    ``wrote``: this daemon's compare-and-set made the record.
+    """
+
+    lost: tuple[str, ...]
+    status: str
+    record: GenerationRecord | None = None
+    reason: str = ""
+    wrote: bool = False
 
 
 @dataclass(frozen=True)
@@ -159,6 +203,12 @@ class Snapshot:
     eviction: Eviction | None = None
     checkpoint_step: int | None = None     # newest committed checkpoint (background scan)
     rank0_here: bool = False               # this node's workers include global rank 0
+    node_id: str = ""
+    generation: GenerationId | None = None  # progress file: our workers' generation ...
+    world: WorldView | None = None         # ... their world as this node publishes it ...
+    reform: Reform | None = None           # ... and a re-form's report
+    shrink: ShrinkOutcome | None = None    # the last SHRINK's outcome
+    generation_record: GenerationRecord | None = None  # etcd: the agreed generation
 
 
 @dataclass(frozen=True)
@@ -166,6 +216,17 @@ class Death:
     peer: PeerView
     how: str          # left | crashed | silent
     attempts: int = 0  # evictions tried (etcd may be down)
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """An in-place re-form under way, from the loss decision until the workers report."""
+
+    lost: tuple[str, ...]
+    since: float
+    base: GenerationId        # our workers' generation when the loss was decided
+    fault: str                # peer-crashed | peer-silent | peer-left
+    agreed: bool = False      # a record naming us was agreed and handed to the workers
 
 
 @dataclass(frozen=True)
@@ -201,6 +262,9 @@ class Memory:
     recovering: tuple[str, float] | None = None   # (what broke, since when) until the next step
     refused_at: Mapping[str, float] = field(default_factory=dict)  # last refused probe per peer
     journaled_at: float = float("-inf")    # last periodic progress entry
+    published_world: WorldView | None = None
+    in_place: InPlace | None = None
+    generation_handed: GenerationId | None = None  # newest record handed to our workers
 
 
 @dataclass(frozen=True)
@@ -219,6 +283,9 @@ class Decision:
 
 # A refused probe this recent classifies a vanished peer as crashed without a confirmation.
 REFUSED_FRESH_S = 2.0
+# After a SHRINK the workers get their own bound plus this (their report's way to us)
+# before the daemon kills them (the restart path).
+IN_PLACE_SLACK_S = 2.0
 
 # A bookkeeping step or a phase rule: (snapshot, memory, policy) -> (memory, actions, sentence).
 Step = Callable[[Snapshot, Memory, Policy], tuple[Memory, list[Action], str]]
@@ -263,7 +330,8 @@ def _progress(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list
                   failures=() if cleared else mem.failures)
     notes = ["training progressed; the crash count is reset"] if cleared else []
     actions: list[Action] = []
-    if mem.recovering is not None and snap.progress_event in ("step", "checkpoint"):
+    if (mem.recovering is not None and mem.in_place is None
+            and snap.progress_event in ("step", "checkpoint")):
         kind, since = mem.recovering
         took = round(snap.now - since, 3)
         mem = replace(mem, recovering=None)
@@ -361,6 +429,8 @@ def _eviction_outcome(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memo
         in_round = any(d.peer.state == "running" and d.peer.agent for d in first)
     if not in_round or not snap.workers or mem.phase is not Phase.RUNNING:
         return mem, [], ""
+    if mem.in_place is not None and {d.peer.node_id for d in first} <= set(mem.in_place.lost):
+        return mem, [], ""   # the workers re-form in place; the timers below fall back
     if any(d.how == "silent" for d in first):
         return mem, [act(Kind.KILL_WORKERS, pids=snap.workers)], \
             "a silent peer leaves our workers hung in a collective; killing them now"
@@ -379,6 +449,118 @@ def _kill_due(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list
         return mem, [], ""
     return mem, [act(Kind.KILL_WORKERS, pids=stuck)], \
         f"killing {len(stuck)} worker(s) still in the old world after the {policy.kill_grace_s:.0f} s grace"
+
+
+def _in_place_fallback(snap: Snapshot, mem: Memory, reason: str,
+                       duration_s: float | None = None) -> tuple[Memory, list[Action], str]:
+    """Give up the in-place re-form: the workers' restart that follows is a membership one."""
+    ip = mem.in_place
+    took = round(duration_s if duration_s is not None else snap.now - ip.since, 3)
+    mem = replace(mem, in_place=None, membership_changed_at=snap.now)
+    return mem, [act(Kind.JOURNAL, event="in-place-fallback",
+                     fields={"reason": reason, "duration_s": took, "lost": list(ip.lost)}),
+                 act(Kind.COUNT, metric="in_place_recoveries", label="fallback")], \
+        f"the in-place re-form fell back to a worker restart ({reason})"
+
+
+def _in_place_done(snap: Snapshot, mem: Memory) -> tuple[Memory, list[Action], str]:
+    """The workers report the new generation: one ``recovered-in-place`` event (the
+    generic ``recovered`` is cleared with ``recovering``)."""
+    ip = mem.in_place
+    took = round(snap.now - ip.since, 3)
+    reform = snap.reform if snap.reform is not None and snap.reform.event == "reformed" else None
+    worker_s = reform.duration_s if reform is not None else None
+    fields = {"duration_s": worker_s if worker_s is not None else took, "daemon_s": took,
+              "from_world_size": reform.from_world_size if reform is not None else None,
+              "world_size": snap.world.world_size if snap.world is not None else None,
+              "generation": str(snap.generation), "fault": ip.fault, "lost": list(ip.lost)}
+    mem = replace(mem, in_place=None, recovering=None)
+    return mem, [act(Kind.JOURNAL, event="recovered-in-place", fields=fields),
+                 act(Kind.OBSERVE, metric="recovery_seconds", label="in-place", value=took),
+                 act(Kind.COUNT, metric="in_place_recoveries", label="ok")], \
+        f"the workers re-formed in place as generation {snap.generation} {took:.1f} s after a {ip.fault}"
+
+
+def _in_place(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:
+    """Watch an in-place re-form: success, the workers' own failure, their exit, or the
+    timeout (bound + slack) after which the daemon kills them for torchrun."""
+    ip = mem.in_place
+    if ip is None:
+        return mem, [], ""
+    if snap.reform is not None and snap.reform.event == "reform-failed":
+        return _in_place_fallback(snap, mem, snap.reform.reason or "reform-failed",
+                                  snap.reform.duration_s)
+    if snap.generation is not None and snap.generation.newer_than(ip.base):
+        # Also when the ``reformed`` record was overwritten by a step before we read it.
+        return _in_place_done(snap, mem)
+    if ip.agreed and snap.workers != mem.workers:
+        return _in_place_fallback(snap, mem, "workers-exited")
+    waited = snap.now - ip.since
+    if waited < policy.recovery_bound_s + IN_PLACE_SLACK_S:
+        return mem, [], ""
+    mem, actions, note = _in_place_fallback(snap, mem, "timeout")
+    if snap.workers:
+        actions.insert(0, act(Kind.KILL_WORKERS, pids=snap.workers))
+    return mem, actions, f"{note}: no re-form report {waited:.1f} s after the loss; killing the workers"
+
+
+def _shrink_outcome(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:
+    """After a SHRINK: the record is agreed (wait for the workers), or the restart path."""
+    out = snap.shrink
+    if out is None or mem.in_place is None:
+        return mem, [], ""
+    if out.status == "ok":
+        mem = replace(mem, in_place=replace(mem.in_place, agreed=True),
+                      generation_handed=out.record.id)
+        verb = "agreed" if out.wrote else "adopted"
+        return mem, [], (f"generation {out.record.id} {verb} without {', '.join(out.lost)}; "
+                         f"the workers re-form in place ({out.record.world_size} workers)")
+    if out.status == "unneeded":
+        return replace(mem, in_place=None), [], ""
+    if out.status == "fenced":
+        return _fenced_out(snap, mem, out.record)
+    # failed: _eviction_outcome (same snapshot) plans the kill as the restart mode does.
+    return _in_place_fallback(snap, mem, out.reason or "no in-place generation")
+
+
+def _fenced_out(snap: Snapshot, mem: Memory, record: GenerationRecord) -> tuple[Memory, list[Action], str]:
+    """The agreed generation leaves this node out: our workers leave and rejoin as a new round."""
+    mem = replace(mem, generation_handed=record.id)
+    mem, actions, _ = _in_place_fallback(snap, mem, "fenced-out")
+    if snap.workers:
+        actions.insert(0, act(Kind.KILL_WORKERS, pids=snap.workers))
+    return mem, actions, (f"generation {record.id} was agreed without this node; killing our "
+                          "workers so that they rejoin as a new round")
+
+
+def _handed(mem: Memory, gid: GenerationId) -> bool:
+    h = mem.generation_handed
+    return h is not None and h.same_round(gid) and h.seq >= gid.seq
+
+
+def _generation_news(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:
+    """The backstop: an agreed record newer than our workers' generation, of their round,
+    not yet handed to them (another daemon agreed it first, or our SHRINK failed)."""
+    rec, gen = snap.generation_record, snap.generation
+    if (rec is None or gen is None or policy.recovery_mode != "in-place" or not snap.workers
+            or mem.phase is not Phase.RUNNING or not rec.id.newer_than(gen) or _handed(mem, rec.id)):
+        return mem, [], ""
+    if mem.in_place is None:
+        mem = replace(mem, in_place=InPlace(rec.lost, snap.now, gen, rec.cause or "peer-lost"),
+                      membership_changed_at=snap.now)
+    if rec.member(snap.node_id) is None:
+        return _fenced_out(snap, mem, rec)
+    mem = replace(mem, generation_handed=rec.id, in_place=replace(mem.in_place, agreed=True))
+    return mem, [act(Kind.WRITE_GENERATION, record=rec)], \
+        f"generation {rec.id} was agreed without {', '.join(rec.lost) or '-'}; handing it to our workers"
+
+
+def _publish_world(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:
+    """Our record says what our workers report of their world (the others' base for a shrink)."""
+    if snap.world is None or snap.world == mem.published_world:
+        return mem, [], ""
+    return replace(mem, published_world=snap.world), \
+        [act(Kind.PUBLISH, fields={"world": snap.world.to_record()})], ""
 
 
 def _checkpoint(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:
@@ -410,8 +592,12 @@ def _signals(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[
     return mem, [], ""
 
 
-_BOOKKEEPING: tuple[Step, ...] = (_signals, _progress, _worker_restarts, _peer_news,
-                                  _eviction_outcome, _kill_due, _checkpoint, _journal_progress)
+# _in_place runs before _progress (a re-form is not also a generic ``recovered``) and
+# before _worker_restarts (an exit during a re-form makes the restart a membership one);
+# _shrink_outcome before _eviction_outcome (a failed SHRINK plans the restart's kill).
+_BOOKKEEPING: tuple[Step, ...] = (_signals, _in_place, _progress, _worker_restarts, _peer_news,
+                                  _shrink_outcome, _eviction_outcome, _kill_due,
+                                  _generation_news, _publish_world, _checkpoint, _journal_progress)
 
 
 # -- phase rules (first match wins) ----------------------------------------------------
@@ -548,7 +734,27 @@ def _dead_peers(snap: Snapshot, mem: Memory, policy: Policy):
     if not first:
         return mem, actions, f"retrying the eviction of peer(s) {names}"
     tail = " and restarting the local workers" if mem.phase is Phase.RUNNING else ""
+    if policy.recovery_mode == "in-place" and mem.phase is Phase.RUNNING and snap.workers:
+        mem, more, tail = _plan_shrink(snap, mem, [tried[n] for n in first])
+        actions += more
     return mem, actions, f"peer(s) {names} lost; evicting them from the rendezvous{tail}"
+
+
+def _plan_shrink(snap: Snapshot, mem: Memory, deaths: list[Death]) -> tuple[Memory, list[Action], str]:
+    """In-place mode: agree the next generation instead of killing our workers (a loss
+    during a re-form widens it: the lost nodes accumulate, the start time stays)."""
+    if snap.generation is None:
+        # Workers that report no generation (plain torchrun scripts) cannot re-form.
+        lost = tuple(sorted(d.peer.node_id for d in deaths))
+        mem = replace(mem, in_place=InPlace(lost, snap.now, GenerationId(0), ""))
+        mem, actions, _ = _in_place_fallback(snap, mem, "the workers report no generation")
+        return mem, actions, " and restarting the local workers (they report no generation)"
+    fault = f"peer-{deaths[0].how}"
+    ip = mem.in_place or InPlace((), snap.now, snap.generation, fault)
+    ip = replace(ip, lost=tuple(sorted({*ip.lost, *(d.peer.node_id for d in deaths)})), agreed=False)
+    return replace(mem, in_place=ip), \
+        [act(Kind.SHRINK, lost=ip.lost, cause=ip.fault, peers=tuple(d.peer for d in deaths),
+             generation=ip.base)], " and re-forming the world in place"
 
 
 def hang_bound(policy: Policy, intervals: tuple[float, ...]) -> float:
@@ -563,7 +769,7 @@ def hang_bound(policy: Policy, intervals: tuple[float, ...]) -> float:
 def _hang(snap: Snapshot, mem: Memory, policy: Policy):
     if mem.phase is not Phase.RUNNING or not snap.workers or mem.step_at is None:
         return None
-    if mem.dead or mem.evicting or mem.suspects or mem.kill_at is not None:
+    if mem.dead or mem.evicting or mem.suspects or mem.kill_at is not None or mem.in_place:
         return None  # a peer loss explains the stall
     stalled = snap.now - mem.step_at
     bound = hang_bound(policy, mem.intervals)

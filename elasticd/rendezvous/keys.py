@@ -8,6 +8,7 @@
 ``/elasticd/<job>/drain/<node-id>``     a drain request from ``elasticd drain``
 ``/elasticd/<job>/doctor/<node-id>``    ``elasticd doctor``'s record (checkpoint dir id, clock)
 ``/elasticd/<job>/state``               running | completed | failed
+``/elasticd/<job>/generation``          the agreed in-place generation (elasticd.generation)
 """
 
 from __future__ import annotations
@@ -76,3 +77,8 @@ class JobKeys:
     @property
     def state(self) -> str:
         return f"{self.prefix}state"
+
+    @property
+    def generation(self) -> str:
+        """The agreed ``GenerationRecord`` of in-place re-forms (one compare-and-set each)."""
+        return f"{self.prefix}generation"

@@ -252,3 +252,12 @@ def test_small_agent_log_is_appended_to(tmp_path):
 
 def test_started_at_is_gone():
     assert not hasattr(AgentProcess(["true"], {"TMPDIR": "/tmp"}, Path("/tmp/x")), "started_at")
+
+
+def test_the_workers_get_the_recovery_settings_and_the_generation_file(tmp_path):
+    config = config_from_dict({"job": {"id": "demo", "entrypoint": ["train.py"]},
+                               "recovery": {"mode": "restart", "bound_s": 3}})
+    settings = worker_settings(config, RunFiles(tmp_path))
+    assert (settings.recovery_mode, settings.recovery_bound_s) == ("restart", 3.0)
+    assert settings.generation_file == str(tmp_path / "generation.json")
+    assert worker_settings(CONFIG, RunFiles(tmp_path)).recovery_mode == "in-place"

@@ -23,6 +23,7 @@ def test_minimal_config_has_sane_defaults():
     assert c.rendezvous.last_call_timeout == 1
     assert c.etcd.endpoints == ("127.0.0.1:2379",)
     assert c.checkpoint.keep_last == 3
+    assert (c.recovery.mode, c.recovery.bound_s, c.recovery.store_port) == ("in-place", 5.0, 0)
 
 
 @pytest.mark.parametrize("sections, message", [
@@ -43,6 +44,10 @@ def test_minimal_config_has_sane_defaults():
     ({"supervisor": {"backoff_initial_s": 100, "backoff_max_s": 10}}, "supervisor.backoff_initial_s"),
     ({"job": {"colour": "red"}}, "[job] has unknown key(s) ['colour']"),
     ({"jobs": {"id": "x"}}, "unknown section(s) ['jobs']"),
+    ({"recovery": {"mode": "inplace"}}, "recovery.mode = 'inplace' is not valid: use one of 'in-place'"),
+    ({"recovery": {"bound_s": 0}}, "recovery.bound_s = 0 is not valid"),
+    ({"recovery": {"store_port": 70000}}, "recovery.store_port = 70000 is not valid: use 0"),
+    ({"recovery": {"bound_s": "5"}}, "write it without quotes: bound_s = 5"),
 ])
 def test_bad_values_are_named_with_a_fix(sections, message):
     with pytest.raises(ConfigError) as info:

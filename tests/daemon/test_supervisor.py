@@ -10,14 +10,18 @@ from dataclasses import replace
 
 import pytest
 
+from elasticd.generation import GenerationId, GenerationRecord, WorldView, renumber
 from elasticd.supervisor import (
     Death,
     Eviction,
+    InPlace,
     Kind,
     Memory,
     PeerView,
     Phase,
     Policy,
+    Reform,
+    ShrinkOutcome,
     Snapshot,
     decide,
     drain_grace,
@@ -452,3 +456,181 @@ def test_the_rank0_node_journals_progress_and_checkpoints():
     assert [a["event"] for a in later.actions if a.kind is Kind.JOURNAL] == ["progress"]
     other = d(live(step=5, checkpoint_step=4))
     assert [a.kind for a in other.actions] == [Kind.PUBLISH_CHECKPOINT]
+
+
+# -- in-place recovery ([recovery] mode = "in-place") ---------------------------------
+
+INPLACE = replace(POLICY, recovery_mode="in-place", recovery_bound_s=5.0)
+G = GenerationId(3, 0, "ep")
+G1 = G.next()
+REC = GenerationRecord(G1, renumber([("a", 2)]), "127.0.0.1:29600", ("b",), "peer-crashed")
+REC_WITHOUT_US = GenerationRecord(G1, renumber([("b", 2)]), "127.0.0.1:29601", ("a",), "peer-crashed")
+
+
+def lost_b(how: str = "crashed", **kw):
+    """The decision that peer b died, with our workers at generation G."""
+    kw.setdefault("generation", G)
+    return d(live(**kw), replace(RUNNING, dead={"b": Death(B, how)}), INPLACE)
+
+
+def agreed(how: str = "crashed") -> Memory:
+    """After the SHRINK came back ok and the eviction said b was in our round."""
+    out = d(live(now=T + 0.1, generation=G, shrink=ShrinkOutcome(("b",), "ok", REC, wrote=True),
+                 eviction=Eviction(("b",), ok=True, in_round=True)), lost_b(how).memory, INPLACE)
+    return out.memory
+
+
+def test_in_place_a_dead_peer_is_evicted_and_shrunk_not_killed():
+    out = lost_b()
+    assert out.kinds() == [Kind.EVICT, Kind.JOURNAL, Kind.COUNT, Kind.SHRINK]
+    shrink = out.actions[3]
+    assert (shrink["lost"], shrink["cause"], shrink["generation"]) == (("b",), "peer-crashed", G)
+    assert shrink["peers"] == (B,) and "re-forming the world in place" in out.reason
+    assert out.memory.in_place == InPlace(("b",), T, G, "peer-crashed")
+
+
+def test_restart_mode_never_shrinks():
+    out = d(live(generation=G), replace(RUNNING, dead={"b": Death(B, "crashed")}), POLICY)
+    assert Kind.SHRINK not in out.kinds() and out.memory.in_place is None
+
+
+def test_in_place_workers_without_a_generation_take_the_restart_path():
+    out = lost_b(generation=None)
+    assert Kind.SHRINK not in out.kinds() and out.memory.in_place is None
+    fallback = [a for a in out.actions if a.kind is Kind.JOURNAL and a["event"] == "in-place-fallback"]
+    assert fallback[0]["fields"]["reason"] == "the workers report no generation"
+    planned = d(live(now=T + 0.1, eviction=Eviction(("b",), ok=True, in_round=True)), out.memory, INPLACE)
+    assert planned.memory.kill_at == T + 0.1 + 2.0
+
+
+@pytest.mark.parametrize("how", ["crashed", "silent"])
+def test_an_agreed_shrink_plans_no_kill(how):
+    mem = agreed(how)
+    assert mem.in_place.agreed and mem.generation_handed == G1
+    assert mem.kill_at is None
+    out = d(live(now=T + 3, generation=G), mem, INPLACE)
+    assert Kind.KILL_WORKERS not in out.kinds()
+
+
+def test_a_failed_shrink_falls_back_to_the_restart_kill():
+    out = d(live(now=T + 0.1, generation=G, eviction=Eviction(("b",), ok=True, in_round=True),
+                 shrink=ShrinkOutcome(("b",), "failed", reason="no store")), lost_b("silent").memory,
+            INPLACE)
+    assert out.kinds() == [Kind.JOURNAL, Kind.COUNT, Kind.KILL_WORKERS]
+    assert out.actions[0]["fields"]["reason"] == "no store" and out.memory.in_place is None
+    crashed = d(live(now=T + 0.1, generation=G, eviction=Eviction(("b",), ok=True, in_round=True),
+                     shrink=ShrinkOutcome(("b",), "failed", reason="x")), lost_b().memory, INPLACE)
+    assert crashed.memory.kill_at == T + 0.1 + 2.0
+
+
+def test_a_shrink_that_fences_us_out_kills_our_workers():
+    out = d(live(now=T + 0.1, generation=G, shrink=ShrinkOutcome(("b",), "fenced", REC_WITHOUT_US)),
+            lost_b().memory, INPLACE)
+    assert out.kinds()[0] is Kind.KILL_WORKERS and "without this node" in out.reason
+    assert out.memory.in_place is None
+
+
+def test_an_unneeded_shrink_ends_quietly():
+    out = d(live(now=T + 0.1, generation=G, shrink=ShrinkOutcome(("b",), "unneeded")),
+            lost_b().memory, INPLACE)
+    assert out.actions == () and out.memory.in_place is None
+
+
+def test_the_reformed_report_is_one_recovered_in_place_event():
+    mem = replace(agreed(), recovering=("peer-crashed", T))
+    out = d(live(now=T + 1.5, generation=G1, step=41, progress_event="reformed",
+                 world=WorldView("a", G1, 0, 2, 2),
+                 reform=Reform("reformed", duration_s=0.8, from_world_size=4, cause="peer-crashed")),
+            mem, INPLACE)
+    journal = [a for a in out.actions if a.kind is Kind.JOURNAL]
+    assert [a["event"] for a in journal] == ["recovered-in-place"]
+    assert journal[0]["fields"] == {"duration_s": 0.8, "daemon_s": 1.5, "from_world_size": 4,
+                                    "world_size": 2, "generation": "3.1", "fault": "peer-crashed",
+                                    "lost": ["b"]}
+    assert [(a.kind, a["label"]) for a in out.actions if a.kind in (Kind.OBSERVE, Kind.COUNT)] == \
+        [(Kind.OBSERVE, "in-place"), (Kind.COUNT, "ok")]
+    assert out.memory.in_place is None and out.memory.recovering is None
+    assert "re-formed in place as generation 3.1 1.5 s" in out.reason
+    # The next step is not a second (generic) recovery.
+    later = d(live(now=T + 1.6, generation=G1, step=42, progress_event="step"), out.memory, INPLACE)
+    assert Kind.JOURNAL not in later.kinds()
+
+
+def test_a_missed_reformed_record_still_counts_once_by_the_generation():
+    out = d(live(now=T + 2, generation=G1, step=42, progress_event="step"), agreed(), INPLACE)
+    assert [a["event"] for a in out.actions if a.kind is Kind.JOURNAL] == ["recovered-in-place"]
+
+
+def test_reform_failed_is_one_fallback_and_the_restart_is_a_membership_one():
+    failed = d(live(now=T + 2, generation=G, progress_event="reform-failed",
+                    reform=Reform("reform-failed", duration_s=1.2, reason="timeout")), agreed(), INPLACE)
+    assert failed.kinds() == [Kind.JOURNAL, Kind.COUNT]
+    assert failed.actions[0]["event"] == "in-place-fallback"
+    assert failed.actions[0]["fields"]["reason"] == "timeout"
+    assert failed.actions[0]["fields"]["duration_s"] == 1.2
+    assert (failed.actions[1]["metric"], failed.actions[1]["label"]) == ("in_place_recoveries", "fallback")
+    restarted = d(live(now=T + 5, workers=frozenset({31, 32})), failed.memory, INPLACE)
+    assert restarted.actions[0]["fields"] == {"cause": "membership"}
+
+
+def test_workers_that_exit_during_a_re_form_fall_back():
+    out = d(live(now=T + 1, workers=frozenset({31, 32}), generation=G), agreed(), INPLACE)
+    journal = [a for a in out.actions if a.kind is Kind.JOURNAL]
+    assert [a["event"] for a in journal] == ["in-place-fallback", "workers-restarted"]
+    assert journal[0]["fields"]["reason"] == "workers-exited"
+    assert journal[1]["fields"] == {"cause": "membership"}
+
+
+def test_no_re_form_within_the_bound_kills_the_workers():
+    mem = agreed()
+    assert Kind.KILL_WORKERS not in d(live(now=T + 6.9, generation=G), mem, INPLACE).kinds()
+    out = d(live(now=T + 7.0, generation=G), mem, INPLACE)
+    assert out.kinds() == [Kind.KILL_WORKERS, Kind.JOURNAL, Kind.COUNT]
+    assert out.actions[1]["fields"] == {"reason": "timeout", "duration_s": 7.0, "lost": ["b"]}
+    assert out.memory.in_place is None
+
+
+def test_a_re_form_is_not_a_training_hang():
+    mem = replace(agreed(), step_at=T - 500, intervals=(0.1,))
+    out = d(live(now=T + 1, generation=G), mem, INPLACE)
+    assert not any(a.kind is Kind.JOURNAL and a["event"] == "training-hang" for a in out.actions)
+
+
+def test_a_second_loss_during_a_re_form_widens_it():
+    c = PeerView("c", "running", ("127.0.0.1", 78), 6, "127.0.0.1:8")
+    mem = replace(agreed(), dead={"c": Death(c, "silent")})
+    out = d(live(now=T + 1, generation=G), mem, INPLACE)
+    shrink = next(a for a in out.actions if a.kind is Kind.SHRINK)
+    assert shrink["lost"] == ("b", "c") and shrink["generation"] == G
+    assert out.memory.in_place.since == T
+
+
+def test_the_backstop_hands_a_newer_record_of_our_round_to_our_workers():
+    out = d(live(generation=G, generation_record=REC, node_id="a"), RUNNING, INPLACE)
+    assert out.kinds() == [Kind.WRITE_GENERATION] and out.actions[0]["record"] == REC
+    assert out.memory.in_place.agreed and out.memory.generation_handed == G1
+    again = d(live(now=T + 0.1, generation=G, generation_record=REC, node_id="a"), out.memory, INPLACE)
+    assert Kind.WRITE_GENERATION not in again.kinds()
+
+
+def test_the_backstop_ignores_other_rounds_and_old_records_and_restart_mode():
+    other = replace(REC, id=GenerationId(2, 5, "ep"))
+    for s, policy in ((live(generation=G, generation_record=other, node_id="a"), INPLACE),
+                      (live(generation=G1, generation_record=REC, node_id="a"), INPLACE),
+                      (live(generation=G, generation_record=REC, node_id="a"), POLICY)):
+        assert d(s, RUNNING, policy).actions == ()
+
+
+def test_the_backstop_kills_workers_a_record_leaves_out():
+    out = d(live(generation=G, generation_record=REC_WITHOUT_US, node_id="a"), RUNNING, INPLACE)
+    assert out.kinds()[0] is Kind.KILL_WORKERS
+    assert out.memory.in_place is None and out.memory.generation_handed == G1
+
+
+def test_our_world_is_published_when_it_changes():
+    view = WorldView("a", G, 0, 2, 4)
+    out = d(live(world=view), RUNNING)
+    assert out.kinds() == [Kind.PUBLISH]
+    assert out.actions[0]["fields"] == {"world": {"generation": {"round": 3, "seq": 0, "epoch": "ep"},
+                                                  "first_rank": 0, "nproc": 2, "world_size": 4}}
+    assert d(live(world=view), out.memory).actions == ()

@@ -1,0 +1,136 @@
+"""The daemon's side of in-place recovery: the TCP store it hosts and the agreement on
+the next generation (``elasticd.generation``).
+
+* ``StoreHost``: every daemon hosts a ``torch.distributed.TCPStore`` (master, no
+  workers to wait for) for its whole life and publishes ``HOST:PORT`` as ``store`` in
+  its node record. A re-formed group forms through the store of its new rank 0's
+  daemon, so it never depends on a lost node's store (torchrun's store lives in the
+  rank-0 agent, and the etcd store in the agents' rendezvous).
+* ``shrink_world``: the next generation without the lost nodes, agreed by one
+  compare-and-set on ``JobKeys.generation``. Every survivor's daemon detects the
+  same loss and tries; the first write wins and the others adopt it, so all of them
+  hand the same record to their workers.
+
+The supervisor decides (``Kind.SHRINK``); the executors in ``daemon.py`` call these.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from datetime import timedelta
+
+import structlog
+
+from elasticd.etcd_client import EtcdClient, KeyValue, no_retry
+from elasticd.generation import (
+    GenerationId,
+    GenerationRecord,
+    GenerationRecordError,
+    WorldView,
+    current_world,
+    shrink,
+)
+from elasticd.rendezvous.keys import JobKeys
+from elasticd.supervisor import ShrinkOutcome
+
+log = structlog.get_logger(__name__)
+
+
+class StoreHost:
+    """This daemon's TCP store for re-formed groups; ``endpoint`` is None if it could not start."""
+
+    def __init__(self, addr: str, port: int = 0) -> None:
+        self._addr = addr
+        self._port = port
+        self._store = None
+        self.endpoint: str | None = None
+
+    def start(self) -> StoreHost:
+        import torch.distributed as dist
+
+        try:
+            self._store = dist.TCPStore(self._addr, self._port, is_master=True,
+                                        wait_for_workers=False, timeout=timedelta(seconds=30))
+        except (RuntimeError, OSError, ValueError) as exc:
+            # Not fatal: without a store this node cannot be a re-formed group's rank 0,
+            # so such a re-form takes the restart path.
+            log.warning("could not host the recovery TCP store; in-place re-forms with this "
+                        "node as rank 0 fall back to restarts", addr=self._addr, port=self._port,
+                        reason=str(exc), fix="set [recovery] store_port to a free port, or 0")
+            return self
+        self.endpoint = f"{self._addr}:{self._store.port}"
+        return self
+
+    def stop(self) -> None:
+        self._store = None   # the C++ store closes its listening socket when released
+        self.endpoint = None
+
+
+def shrink_world(client: EtcdClient, keys: JobKeys, node_id: str, lost: Iterable[str],
+                 cause: str, workers: GenerationId, views: Iterable[WorldView],
+                 stores: Mapping[str, str], deadline_s: float = 1.0) -> ShrinkOutcome:
+    """Agree the generation after ``workers`` (our workers' generation) without ``lost``.
+
+    The base is the agreed record when it is of our workers' round and not older, else
+    the world the nodes' records report (ours, the peers', the dead peers' last ones).
+    A lost compare-and-set re-reads: a winner that already leaves the lost nodes out
+    is adopted, anything else is the next base. ``deadline_s`` bounds the races (every
+    call fails fast: an outage raises ``EtcdError`` for the caller's fallback).
+    """
+    lost = tuple(sorted(set(lost)))
+    views = [v for v in views if v.generation.same_round(workers)]
+    end = time.monotonic() + deadline_s
+    with no_retry():
+        while True:
+            kv = client.get(keys.generation)
+            agreed = _parse(kv)
+            if (agreed is not None and agreed.id.same_round(workers)
+                    and agreed.id.seq >= workers.seq):
+                base = agreed
+            else:
+                base = current_world(views)
+                if base is None or base.id != workers:
+                    return ShrinkOutcome(lost, "failed", reason=(
+                        f"the nodes' records do not cover generation {workers}'s world"))
+            if base.id.newer_than(workers) and not set(lost) & set(base.nodes):
+                return _adopt(node_id, lost, base, wrote=False)   # another daemon was first
+            nxt = shrink(base, lost, stores, cause, created=time.time())
+            if nxt is None:
+                return _no_generation(lost, base, stores)
+            won, _ = client.put_or_create(keys.generation, nxt.to_json().encode(),
+                                          kv.mod_revision if kv is not None else None)
+            if won:
+                log.info("agreed an in-place generation", generation=str(nxt.id),
+                         members=list(nxt.nodes), lost=list(nxt.lost), store=nxt.store)
+                return _adopt(node_id, lost, nxt, wrote=True)
+            if time.monotonic() >= end:
+                return ShrinkOutcome(lost, "failed", reason="lost the compare-and-set until "
+                                                             "the deadline")
+
+
+def _adopt(node_id: str, lost: tuple[str, ...], record: GenerationRecord,
+           wrote: bool) -> ShrinkOutcome:
+    status = "ok" if record.member(node_id) is not None else "fenced"
+    return ShrinkOutcome(lost, status, record, wrote=wrote)
+
+
+def _no_generation(lost: tuple[str, ...], base: GenerationRecord,
+                   stores: Mapping[str, str]) -> ShrinkOutcome:
+    if not set(lost) & set(base.nodes):
+        return ShrinkOutcome(lost, "unneeded", base)
+    survivors = [n for n in base.nodes if n not in lost]
+    reason = (f"no survivor's daemon publishes a store ({survivors[0]})" if survivors
+              and survivors[0] not in stores else "no survivors")
+    return ShrinkOutcome(lost, "failed", base, reason=reason)
+
+
+def _parse(kv: KeyValue | None) -> GenerationRecord | None:
+    if kv is None:
+        return None
+    try:
+        return GenerationRecord.from_json(kv.value)
+    except GenerationRecordError as exc:
+        # Replaced by the compare-and-set on its revision.
+        log.warning("ignoring a malformed generation record", key=kv.key, problem=str(exc))
+        return None
