@@ -265,6 +265,9 @@ class Memory:
     published_world: WorldView | None = None
     in_place: InPlace | None = None
     generation_handed: GenerationId | None = None  # newest record handed to our workers
+    # Peers our workers already re-formed without: the EVICT's outcome can come after
+    # the re-form (measured: re-formed 0.1 s after the crash), and must not kill them then.
+    reformed_without: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -429,7 +432,8 @@ def _eviction_outcome(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memo
         in_round = any(d.peer.state == "running" and d.peer.agent for d in first)
     if not in_round or not snap.workers or mem.phase is not Phase.RUNNING:
         return mem, [], ""
-    if mem.in_place is not None and {d.peer.node_id for d in first} <= set(mem.in_place.lost):
+    handled = set(mem.in_place.lost if mem.in_place is not None else ()) | mem.reformed_without
+    if {d.peer.node_id for d in first} <= handled:
         return mem, [], ""   # the workers re-form in place; the timers below fall back
     if any(d.how == "silent" for d in first):
         return mem, [act(Kind.KILL_WORKERS, pids=snap.workers)], \
@@ -474,7 +478,8 @@ def _in_place_done(snap: Snapshot, mem: Memory) -> tuple[Memory, list[Action], s
               "from_world_size": reform.from_world_size if reform is not None else None,
               "world_size": snap.world.world_size if snap.world is not None else None,
               "generation": str(snap.generation), "fault": ip.fault, "lost": list(ip.lost)}
-    mem = replace(mem, in_place=None, recovering=None)
+    mem = replace(mem, in_place=None, recovering=None,
+                  reformed_without=mem.reformed_without | frozenset(ip.lost))
     return mem, [act(Kind.JOURNAL, event="recovered-in-place", fields=fields),
                  act(Kind.OBSERVE, metric="recovery_seconds", label="in-place", value=took),
                  act(Kind.COUNT, metric="in_place_recoveries", label="ok")], \

@@ -556,6 +556,20 @@ def test_the_reformed_report_is_one_recovered_in_place_event():
     assert Kind.JOURNAL not in later.kinds()
 
 
+def test_an_eviction_outcome_after_the_re_form_plans_no_kill():
+    """Measured: the workers re-formed 0.1 s after the crash, before the EVICT came back."""
+    lost = lost_b()
+    shrunk = d(live(now=T + 0.05, generation=G, shrink=ShrinkOutcome(("b",), "ok", REC, wrote=True)),
+               lost.memory, INPLACE)
+    done = d(live(now=T + 0.1, generation=G1, step=41, progress_event="reformed",
+                  world=WorldView("a", G1, 0, 2, 2), reform=Reform("reformed", duration_s=0.02)),
+             shrunk.memory, INPLACE)
+    assert done.memory.in_place is None and done.memory.reformed_without == {"b"}
+    late = d(live(now=T + 0.2, generation=G1, eviction=Eviction(("b",), ok=True, in_round=True)),
+             done.memory, INPLACE)
+    assert late.memory.kill_at is None and Kind.KILL_WORKERS not in late.kinds()
+
+
 def test_a_missed_reformed_record_still_counts_once_by_the_generation():
     out = d(live(now=T + 2, generation=G1, step=42, progress_event="step"), agreed(), INPLACE)
     assert [a["event"] for a in out.actions if a.kind is Kind.JOURNAL] == ["recovered-in-place"]
