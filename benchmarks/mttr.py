@@ -46,6 +46,9 @@ Measures, per run:
   survivors held when they re-formed (their ``reformed`` event's step; its next step is
   that step + 1). Which path a run took is in its ``path`` (restart, in-place, or
   fallback: a ``reform-failed`` before a restart);
+* settle (elasticd): the new world is watched for 6 s after its first step; if its workers
+  exit in that window (a restart after all), the run says when, and the steps that
+  restart lost (its last step minus the step it resumed) count as lost too;
 * join: the pause, from the last completed step of the world of 2 to the first of the
   world of 3 (the time the job does not train), and the time from the new node's start;
   steps lost = the last step of the world of 2 minus the step the world of 3 resumed from;
@@ -120,6 +123,7 @@ FAULTS = {"crash": "node SIGKILL", "rank0-crash": "rank-0 node SIGKILL",
           "silent": "node SIGSTOP (silent)", "drain": "graceful drain (SIGTERM)",
           "join": "node joins (after a crash)"}
 JOIN_AFTER_S = 2.0   # how long the world of 2 trains before the new node starts
+SETTLE_S = 6.0       # how long the new world is watched after its first step (does it hold?)
 
 
 @dataclass(frozen=True)
@@ -382,12 +386,43 @@ def measure(bench: Bench, fault: str, phase: int, caps: dict[str, float],
     out = summarize_run(bench, victim, w, ct_offset) | {
         "victim": victim.name, "victim_rank": victim_rank, "victim_hosts_store": victim is bench.store_host,
         "step_before_fault": pre, "load_at_fault": load, "cap_s": cap, "cpu_cores_steady": cpu}
-    if fault != "join" or w.outcome != "recovered":
+    if w.outcome != "recovered":
         return out
     survivors = [n for n in bench.nodes if n is not victim]
+    out["settle"] = watch_settle(survivors, t_fault)
+    if fault != "join":
+        return out
     victim.kill()   # reaped: the new node is another machine
     shrink = {k: out.pop(k) for k in list(out) if k not in ("cap_s", "cpu_cores_steady")}
     return out | measure_join(bench, survivors, cap, ct_offset) | {"shrink": shrink}
+
+
+def watch_settle(survivors: list[Node], t_fault: float) -> dict[str, Any]:
+    """Watch the new world for ``SETTLE_S`` after its first step: do its workers hold?
+
+    A world that is restarted soon after it formed (its workers exit) loses what it
+    trained since the last checkpoint: those steps count as lost too (``steps_lost``).
+    """
+    workers = [p for n in survivors for p in _safe_workers(n)]
+    t0, last, exited = time.time(), None, None
+    until = time.monotonic() + SETTLE_S
+    while time.monotonic() < until:
+        if exited is None:
+            for node in survivors:
+                rec = node.progress()
+                if rec and rec.get("event") in STEP_EVENTS and (last is None or rec["step"] > last):
+                    last = rec["step"]
+            if workers and not all(_running(p) for p in workers):
+                exited = time.time()
+        time.sleep(POLL_S)
+    out: dict[str, Any] = {"window_s": SETTLE_S, "workers_exited_after_s": None, "steps_lost": 0}
+    if exited is not None:
+        resumed = last_event(survivors, "resumed", exited, time.time())
+        cont = resumed[1].get("step") if resumed else None
+        out |= {"workers_exited_after_s": round(exited - t_fault, 3), "last_step_before_exit": last,
+                "resumed_step": cont, "steps_lost": last - cont if None not in (last, cont) else None}
+    out["first_step_at"] = round(t0 - t_fault, 3)
+    return out
 
 
 def measure_join(bench: Bench, survivors: list[Node], cap: float, ct_offset: float) -> dict[str, Any]:
@@ -650,6 +685,11 @@ def summarize_cells(runs: list[dict]) -> dict[str, dict[str, dict]]:
             cell["reform_s"] = _stats([r["reform"]["duration_s_max"] for r in ok
                                        if (r.get("reform") or {}).get("duration_s_max") is not None])
             cell["join_s"] = _stats([r["join_s"] for r in ok if "join_s" in r])
+            settled = [r.get("settle") or (r.get("shrink") or {}).get("settle") for r in ok]
+            cell["settle_exits_s"] = [x["workers_exited_after_s"] for x in settled
+                                      if x and x["workers_exited_after_s"] is not None]
+            cell["settle_steps_lost"] = [x.get("steps_lost") for x in settled
+                                         if x and x["workers_exited_after_s"] is not None]
             cell["milestones"] = {k: _stats([r["milestones"][k] for r in ok if k in r.get("milestones", {})])
                                   for k in MILESTONES}
             cell["milestones"] = {k: v["median"] for k, v in cell["milestones"].items() if v}
@@ -667,6 +707,10 @@ def cell_text(cell: dict) -> str:
         if lost:
             span = "" if lost["min"] == lost["max"] else f" ({lost['min']:.0f}–{lost['max']:.0f})"
             parts.append(f"{lost['median']:.0f}{span} steps lost")
+        if cell.get("settle_exits_s"):
+            parts.append(f"**then restarted by itself** at {cell['settle_exits_s']} s after the fault "
+                         f"[{len(cell['settle_exits_s'])}/{n} runs; steps lost then "
+                         f"{cell['settle_steps_lost']}]")
         paths = {p: c for p, c in cell.get("paths", {}).items() if p != "None"}
         if len(paths) > 1 or "fallback" in paths:
             parts.append("paths " + ", ".join(f"{p} {c}" for p, c in paths.items()))
@@ -768,7 +812,11 @@ def _targets(report: dict) -> list[str]:
         cell = by_system.get("d")
         if cell and cell["steps_lost_all"]:
             lost = cell["steps_lost_all"]
-            lines.append(f"- in place: 0 steps lost, {row}: {lost}: {_verdict(all(x == 0 for x in lost))}")
+            later = cell.get("settle_steps_lost", [])
+            ok = all(x == 0 for x in lost) and all(x == 0 for x in later)
+            lines.append(f"- in place: 0 steps lost, {row}: {lost}"
+                         + (f", then {later} when the new world was restarted" if later else "")
+                         + f": {_verdict(ok)}")
     for row in [r for r in cells if r.endswith("@heavy")]:
         light, heavy = cells.get(row.split("@")[0], {}).get("d"), cells[row].get("d")
         if light and heavy and light["recovery_s"] and heavy["recovery_s"]:
