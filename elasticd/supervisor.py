@@ -512,11 +512,14 @@ def _in_place(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list
 def _shrink_outcome(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:
     """After a SHRINK: the record is agreed (wait for the workers), or the restart path."""
     out = snap.shrink
+    if out is not None and out.status == "ok":
+        # The executor wrote the file: handed, even if the workers already gave up on it
+        # in this same cycle (else the backstop would hand it to their successors).
+        mem = replace(mem, generation_handed=out.record.id)
     if out is None or mem.in_place is None:
         return mem, [], ""
     if out.status == "ok":
-        mem = replace(mem, in_place=replace(mem.in_place, agreed=True),
-                      generation_handed=out.record.id)
+        mem = replace(mem, in_place=replace(mem.in_place, agreed=True))
         verb = "agreed" if out.wrote else "adopted"
         return mem, [], (f"generation {out.record.id} {verb} without {', '.join(out.lost)}; "
                          f"the workers re-form in place ({out.record.world_size} workers)")

@@ -587,6 +587,24 @@ def test_reform_failed_is_one_fallback_and_the_restart_is_a_membership_one():
     assert restarted.actions[0]["fields"] == {"cause": "membership"}
 
 
+def test_a_re_form_that_fails_in_the_cycle_its_shrink_returns_is_not_handed_again():
+    """Seen with a fault-injected re-form: the fallback and the SHRINK's outcome came in one
+    cycle; the restarted workers (still showing the old progress file) got the record again
+    and a second fallback was journaled."""
+    both = d(live(now=T + 0.1, generation=G, progress_event="reform-failed",
+                  reform=Reform("reform-failed", duration_s=0.01, reason="fault injected"),
+                  shrink=ShrinkOutcome(("b",), "ok", REC, wrote=True),
+                  eviction=Eviction(("b",), ok=True, in_round=True)), lost_b().memory, INPLACE)
+    assert [a["event"] for a in both.actions if a.kind is Kind.JOURNAL] == ["in-place-fallback"]
+    assert both.memory.generation_handed == G1
+    restarted = d(live(now=T + 2.6, workers=frozenset({31}), generation=G, generation_record=REC,
+                       progress_event="reform-failed",
+                       reform=Reform("reform-failed", duration_s=0.01, reason="fault injected")),
+                  both.memory, INPLACE)
+    assert Kind.WRITE_GENERATION not in restarted.kinds()
+    assert [a["event"] for a in restarted.actions if a.kind is Kind.JOURNAL] == ["workers-restarted"]
+
+
 def test_workers_that_exit_during_a_re_form_fall_back():
     out = d(live(now=T + 1, workers=frozenset({31, 32}), generation=G), agreed(), INPLACE)
     journal = [a for a in out.actions if a.kind is Kind.JOURNAL]
