@@ -54,6 +54,15 @@ class RunFiles:
         return self.run_dir / "generation.json"
 
     @property
+    def warm_socket(self) -> Path:
+        """The warm-start server's socket (elasticd.warmstart)."""
+        return self.run_dir / "warm.sock"
+
+    @property
+    def warm_log(self) -> Path:
+        return (self.log_dir or self.run_dir) / "warm.log"
+
+    @property
     def tmp(self) -> Path:
         """TMPDIR of the agent and workers: torchrun leaves a torchelastic_* dir per start."""
         return self.run_dir / "tmp"
@@ -68,10 +77,16 @@ class RunFiles:
         return (self.log_dir or self.run_dir) / "agent.log"
 
 
-def torchrun_command(config: Config, nproc: int, log_dir: Path | None = None) -> list[str]:
+def torchrun_command(config: Config, nproc: int, log_dir: Path | None = None,
+                     warm_socket: Path | None = None) -> list[str]:
+    """The agent's command. With ``warm_socket``, each worker is the warm-start client
+    (``elasticd.warmstart``: forked by the node's server) instead of a cold interpreter."""
     job = config.job
     python = job.python or sys.executable
     logs = [f"--log-dir={log_dir}"] if log_dir else []
+    entry = list(job.entrypoint)
+    if warm_socket is not None and warm_capable(config):
+        entry = ["--no-python", python, "-m", "elasticd.warmstart", str(warm_socket), *entry]
     return [
         python, "-m", "torch.distributed.run",
         "--rdzv-backend=etcd3",
@@ -84,8 +99,13 @@ def torchrun_command(config: Config, nproc: int, log_dir: Path | None = None) ->
         f"--monitor-interval={config.supervisor.monitor_interval_s}",
         f"--local-addr={config.node.addr}",
         *logs,
-        *job.entrypoint,
+        *entry,
     ]
+
+
+def warm_capable(config: Config) -> bool:
+    """Warm starts are asked for and the entrypoint is a script path (not ``-m module``)."""
+    return config.job.warm_start and not config.job.entrypoint[0].startswith("-")
 
 
 def _rdzv_conf(config: Config) -> str:

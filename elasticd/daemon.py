@@ -28,6 +28,7 @@ import os
 import signal
 import socket
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -39,7 +40,15 @@ import psutil
 import structlog
 
 from elasticd import __version__, generation, proctree
-from elasticd.agent import AgentProcess, RunFiles, etcd_auth, prune_log_dirs, torchrun_command, worker_env
+from elasticd.agent import (
+    AgentProcess,
+    RunFiles,
+    etcd_auth,
+    prune_log_dirs,
+    torchrun_command,
+    warm_capable,
+    worker_env,
+)
 from elasticd.config import RELOADABLE, Config, load_config
 from elasticd.errors import ElasticdError, EtcdError
 from elasticd.etcd_client import EtcdClient, deadline
@@ -66,6 +75,7 @@ from elasticd.supervisor import (
     Snapshot,
     decide,
 )
+from elasticd.warmstart import WarmHost
 
 log = structlog.get_logger("elasticd.daemon")
 
@@ -108,6 +118,9 @@ class Daemon:
         self._eviction: Eviction | None = None
         self._shrink: ShrinkOutcome | None = None
         self.store_host = StoreHost(config.node.addr, config.recovery.store_port)
+        self.warm_host = WarmHost(config.job.python or sys.executable, self.files.warm_socket,
+                                  self.files.warm_log, config.job.warm_imports) \
+            if warm_capable(config) else None
         self._status_at = float("-inf")
         self._checkpoint_seen: tuple[int | None, float] = (None, clock())
         self._stop = threading.Event()
@@ -135,6 +148,9 @@ class Daemon:
         self.client = EtcdClient(self.config.etcd.settings(retry_s=30.0))
         self.probe_server = ProbeServer(self.config.node.addr).start()
         self.store_host.start()
+        if self.warm_host is not None:
+            # From this (the loop's) thread: the parent-death signal is tied to it.
+            self.warm_host.start(worker_env(self.config, self.files))
         self.membership = Membership(self.client, self.keys, self.node_id,
                                      self.config.node.lease_ttl_s, self._initial_record(),
                                      clock=self.clock)
@@ -330,8 +346,9 @@ class Daemon:
     def _start_agent(self, action: Action) -> None:
         self.files.stop.unlink(missing_ok=True)
         prune_log_dirs(self.files.torchrun_logs)
+        warm = self.files.warm_socket if self.warm_host is not None else None
         command = torchrun_command(self.config, self.config.job.resolved_nproc(),
-                                   self.files.torchrun_logs)
+                                   self.files.torchrun_logs, warm)
         self.agent = AgentProcess(command, worker_env(self.config, self.files), self.files.agent_log,
                                   etcd_auth=etcd_auth(self.config))
         pid = self.agent.start()
@@ -511,6 +528,8 @@ class Daemon:
         self.scanner.stop()
         self.probe_server.stop()
         self.store_host.stop()
+        if self.warm_host is not None:
+            self.warm_host.stop()
         if self.preemption is not None:
             self.preemption.stop()
         with deadline(CYCLE_DEADLINE_S):

@@ -35,10 +35,12 @@ import runpy
 import selectors
 import signal
 import socket
+import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 # What a trainer worker imports before its first step (the expensive part of a start).
@@ -257,13 +259,50 @@ def _cold(argv: list[str]) -> None:
     os.execv(sys.executable, [sys.executable, "-u", *argv])
 
 
+class WarmHost:
+    """The daemon's handle on its node's server: one process for the daemon's life.
+
+    Started with the workers' environment (so imports see what workers see) and a
+    parent-death signal; a dead server only makes the next starts cold (the client's
+    fallback), so nothing restarts it.
+    """
+
+    def __init__(self, python: str, socket_path: Path, log_path: Path,
+                 imports: Sequence[str] = ()) -> None:
+        self.python = python
+        self.socket_path = socket_path
+        self.log_path = log_path
+        self.imports = (*DEFAULT_IMPORTS, *imports)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, env: Mapping[str, str]) -> None:
+        from elasticd import proctree
+
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        command = proctree.with_parent_death_signal(
+            [self.python, "-m", "elasticd.warmstart", "--serve", str(self.socket_path),
+             *self.imports])
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(command, env=dict(env), stdout=out,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+
+
 def serve(socket_path: str, imports: Sequence[str] = DEFAULT_IMPORTS) -> None:
     """The server's main: import, then serve until killed."""
+    # Listen first: a client that comes during the imports waits in the backlog for them
+    # (about what a cold start would take) instead of starting cold beside them.
+    server = WarmServer(socket_path)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     failed = preload(imports)
     if failed:
         print(json.dumps({"event": "warm imports failed", "modules": failed}), file=sys.stderr)
-    server = WarmServer(socket_path)
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     server.serve_forever()
 
 

@@ -37,7 +37,7 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("warm")
     sock = root / "warm.sock"
     proc = subprocess.Popen([sys.executable, "-m", "elasticd.warmstart", "--serve", str(sock),
-                             "torch"], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+                             "torch", "trainer.logs"], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert proctree.wait_for(sock.exists, 60), "the server never listened"
     (root / "w.py").write_text(SCRIPT)
     yield root, sock, proc
@@ -96,3 +96,16 @@ def test_a_worker_killed_by_a_signal_makes_its_client_die_of_it(server):
     os.kill(worker, signal.SIGKILL)
     assert client.wait(30) == -signal.SIGKILL
     time.sleep(0.1)
+
+
+def test_a_warm_worker_logs_its_own_rank(server):
+    """trainer.logs was imported by the server (no RANK there): the line must carry ours."""
+    root, sock, _ = server
+    (root / "log.py").write_text(
+        "from trainer.logs import configure_logging\nimport structlog\n"
+        "configure_logging('info')\nstructlog.get_logger().info('hello')\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO), RANK="7")
+    out = subprocess.run([sys.executable, "-m", "elasticd.warmstart", str(sock), str(root / "log.py")],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert '"worker_rank": "7"' in out.stderr  # structlog writes to stderr

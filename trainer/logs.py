@@ -42,8 +42,7 @@ def configure_logging(level: str = "info", json_lines: bool | None = None) -> No
 
 def _add_rank(_logger, _method, event_dict):
     # A processor rather than bound context: background threads (checkpoint writes) log too.
-    event_dict.setdefault("worker_rank", _RANK)
+    # Read per line, not at import: a warm-started worker (elasticd.warmstart) imported this
+    # module in the server, before it had a RANK.
+    event_dict.setdefault("worker_rank", os.environ.get("RANK", "?"))
     return event_dict
-
-
-_RANK = os.environ.get("RANK", "?")

@@ -155,7 +155,7 @@ def test_a_failing_re_form_falls_back_to_a_restart_and_loses_nothing(job, tmp_pa
 
 def test_a_node_that_rejoins_after_an_in_place_shrink_grows_the_world_back(job, tmp_path):
     add, nodes = job
-    final = 160
+    final = 500  # long enough for the newcomer's agent to start and join (~10 s here)
     three = _three(add, final)
     victim = _by_rank(three, False)
     survivors = [n for n in three if n is not victim]
