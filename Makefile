@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test chaos lint demo bench clean
+.PHONY: venv test chaos inplace lint demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,6 +20,9 @@ test: $(STAMP)
 
 chaos: $(STAMP)
 	$(BIN)/python -m pytest -q -m chaos
+
+inplace: $(STAMP)
+	$(BIN)/python -m pytest -q -m inplace
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
