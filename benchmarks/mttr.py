@@ -31,7 +31,7 @@ Faults, each on a freshly started cluster once the world of 3 has made a few ste
     rank0-crash   the same for the rank-0 node; for c10d the node hosting the store
     silent        SIGSTOP a non-rank-0 node's whole tree (a frozen node)
     drain         SIGTERM to a non-rank-0 node's daemon (elasticd) or agent (torchrun)
-    join          (elasticd) a crash as above; once the world of 2 has trained for 2 s, a new
+    join          (elasticd) a crash as above; once the world of 2 has trained 8 s (settle + 2 s), a new
                   node n3 starts and the world grows back to 3 through a torchrun restart
 
 Measures, per run:
@@ -691,7 +691,7 @@ def summarize_cells(runs: list[dict]) -> dict[str, dict[str, dict]]:
             cell["settle_steps_lost"] = [x.get("steps_lost") for x in settled
                                          if x and x["workers_exited_after_s"] is not None]
             cell["milestones"] = {k: _stats([r["milestones"][k] for r in ok if k in r.get("milestones", {})])
-                                  for k in MILESTONES}
+                                  for k in ("last_old_step", *MILESTONES)}
             cell["milestones"] = {k: v["median"] for k, v in cell["milestones"].items() if v}
             cell["cap_s"] = max((r.get("cap_s", 0) for r in rs), default=0)
             cell["job_lost_after_s"] = _stats([r["lost_after_s"] for r in rs if r.get("lost_after_s")])
@@ -883,7 +883,8 @@ def _notes(report: dict) -> list[str]:
             "rendezvous etcd3 with last_call 1 s, keep-alive 1 s x 5, monitor interval 0.1 s; "
             "(c) `[recovery] mode = \"restart\"`, (d) `mode = \"in-place\"` (default bound_s and "
             "store_port). Join: the crash of a non-rank-0 node, then, once the world of 2 has "
-            f"trained {JOIN_AFTER_S:.0f} s, a new node n3 (same config) starts.",
+            f"trained {SETTLE_S + JOIN_AFTER_S:.0f} s (the settle watch, then {JOIN_AFTER_S:.0f} s), "
+            "a new node n3 starts.",
             "- Faults are injected once the world of 3 has made >= 10 steps, at a step whose offset in "
             "the 20-step checkpoint cadence is drawn at random (seeded), so steps lost sample the "
             "cadence. rank-0 node on c10d = the store host (n0).",
