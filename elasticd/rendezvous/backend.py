@@ -13,6 +13,7 @@ that is not a plain rendezvous state never reaches torch, and the agent gets tor
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
@@ -35,6 +36,22 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         self._client = client
         self._key = key
         self._lease = lease
+        self._seen: int | None = None   # mod_revision of the last state read or written
+
+    def wait_for_change(self, timeout_s: float) -> None:
+        """Return once the state changed after the last read or write, or after ``timeout_s``.
+
+        What torch's one-second poll between rendezvous syncs becomes (handler.py): a
+        joining node learns of the others' joins when they happen, not up to 1 s later.
+        """
+        if self._seen is None:
+            time.sleep(timeout_s)
+            return
+        started = time.monotonic()
+        try:
+            self._client.wait_for_change(self._key, self._seen, timeout_s)
+        except EtcdError:
+            time.sleep(max(timeout_s - (time.monotonic() - started), 0.0))
 
     @property
     def name(self) -> str:
@@ -45,7 +62,10 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             kv = self._client.get(self._key)
         except EtcdError as exc:
             raise RendezvousConnectionError(f"etcd3 rendezvous: reading state failed: {exc}") from exc
-        return None if kv is None else (self._checked(kv.value), kv.mod_revision)
+        if kv is None:
+            return None
+        self._seen = kv.mod_revision
+        return self._checked(kv.value), kv.mod_revision
 
     def set_state(self, state: bytes, token: Token | None = None
                   ) -> tuple[bytes, Token, bool] | None:
@@ -59,6 +79,8 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             won, kv = self._client.put_or_create(self._key, state, expected, lease)
         except EtcdError as exc:
             raise RendezvousConnectionError(f"etcd3 rendezvous: writing state failed: {exc}") from exc
+        if kv is not None:
+            self._seen = kv.mod_revision
         if won:
             # The bytes torch itself just pickled: nothing from etcd to check.
             return state, kv.mod_revision, True

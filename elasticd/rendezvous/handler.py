@@ -24,13 +24,16 @@ after reading the one line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import select
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -230,6 +233,10 @@ class EtcdV3RendezvousHandler(dyn.DynamicRendezvousHandler):
         return False
 
     def next_rendezvous(self) -> RendezvousInfo:
+        with _woken_by(self):
+            return self._next_rendezvous()
+
+    def _next_rendezvous(self) -> RendezvousInfo:
         """torch's rendezvous, then export this world's generation to the next workers.
 
         ``ELASTICD_GENERATION`` is the round just completed (torch keeps ``round`` at the
@@ -258,6 +265,14 @@ class EtcdV3RendezvousHandler(dyn.DynamicRendezvousHandler):
         log.info("rendezvous generation", generation=round_, epoch=epoch,
                  rank=info.rank, world_size=info.world_size)
         return info
+
+    def _backend_waits(self, timeout_s: float) -> None:
+        backend = getattr(self._state_holder, "_backend", None)
+        if isinstance(backend, EtcdV3RendezvousBackend):
+            backend.wait_for_change(timeout_s)
+            self._state_holder._last_sync_time = -1.0  # the next sync reads, not the cache
+        else:
+            time.sleep(timeout_s)
 
     def num_nodes_waiting(self) -> int:
         try:
@@ -297,6 +312,33 @@ class EtcdV3RendezvousHandler(dyn.DynamicRendezvousHandler):
             log.warning("could not leave the rendezvous", reason=str(exc))
         return True
 
+
+# torch polls the state once a second while a round forms (``_delay(seconds=1)`` in its op
+# executor, with a 1 s cache in the state holder): a join waits up to a second per poll
+# for news that etcd can push. While this thread runs ``next_rendezvous``, that poll
+# waits on a watch of the state key instead and the next sync reads afresh.
+_WAKE = threading.local()
+_TORCH_DELAY = dyn._delay
+
+
+def _change_woken_delay(seconds: float | tuple[float, float]) -> None:
+    handler = getattr(_WAKE, "handler", None)
+    if handler is None or seconds != 1:
+        _TORCH_DELAY(seconds)
+        return
+    handler._backend_waits(1.0)
+
+
+@contextlib.contextmanager
+def _woken_by(handler: EtcdV3RendezvousHandler) -> Iterator[None]:
+    _WAKE.handler = handler
+    try:
+        yield
+    finally:
+        _WAKE.handler = None
+
+
+dyn._delay = _change_woken_delay
 
 # The worker-contract variables of WorkerSettings.generation / .generation_epoch.
 GENERATION_ENV = "ELASTICD_GENERATION"

@@ -27,6 +27,7 @@ _DYN = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
 _REQUIRED: tuple[tuple[str, str, str], ...] = (
     (_DYN, "_RendezvousState", "the pickled state (state_ops, restricted unpickler)"),
     (_DYN, "_NodeDesc", "a node in the state (state_ops, restricted unpickler)"),
+    (_DYN, "_BackendRendezvousStateHolder", "the state cache the woken poll bypasses (handler)"),
     (_DYN, "_remove_participant_epilogue", "torch's rule after removing a participant (evict)"),
     (_DYN, "_get_timeout", "--rdzv-conf *_timeout parsing (create_handler)"),
     (_DYN, "_RendezvousExitOp", "leaving the rendezvous on a failed shutdown (handler)"),
@@ -38,6 +39,7 @@ _REQUIRED: tuple[tuple[str, str, str], ...] = (
     (_DYN, "DynamicRendezvousHandler._stop_heartbeats", "handler.shutdown"),
     (_DYN, "DynamicRendezvousHandler._get_deadline", "handler.shutdown"),
     (_DYN, "DynamicRendezvousHandler.use_agent_store", "no shared TCPStore (handler)"),
+    (_DYN, "_delay", "the round's poll, woken by an etcd watch instead of 1 s sleeps (handler)"),
     ("torch.distributed.elastic.rendezvous", "RendezvousStateError", "reporting a corrupt state"),
     ("torch.distributed.elastic.rendezvous", "RendezvousConnectionError", "reporting etcd errors"),
     ("torch.distributed.elastic.rendezvous", "RendezvousParameters", "--rdzv-conf"),
@@ -46,8 +48,11 @@ _REQUIRED: tuple[tuple[str, str, str], ...] = (
 _STATE_FIELDS = ("round", "complete", "deadline", "closed", "participants", "wait_list",
                  "redundancy_list", "last_heartbeats")
 _NODE_FIELDS = ("addr", "pid", "local_id")
+# Attributes of the state holder the woken poll uses (set in torch's __init__).
+_HOLDER_INIT_ATTRS = ("_backend", "_last_sync_time")
 # Attributes of a handler instance used by the subclass (set in torch's __init__).
-_HANDLER_INIT_ATTRS = ("_this_node", "_settings", "_op_executor", "_heartbeat_lock")
+_HANDLER_INIT_ATTRS = ("_this_node", "_settings", "_op_executor", "_heartbeat_lock",
+                       "_state_holder")
 
 
 class TorchCompatError(ElasticdError):
@@ -99,6 +104,10 @@ def _missing_fields() -> list[str]:
     if init_source is not None:
         missing += [f"{_DYN}.DynamicRendezvousHandler.{a} (handler)" for a in _HANDLER_INIT_ATTRS
                     if f"self.{a}" not in init_source]
+    holder_source = _source(dyn._BackendRendezvousStateHolder.__init__)
+    if holder_source is not None:
+        missing += [f"{_DYN}._BackendRendezvousStateHolder.{a} (handler's woken poll)"
+                    for a in _HOLDER_INIT_ATTRS if f"self.{a}" not in holder_source]
     return missing
 
 
