@@ -13,7 +13,8 @@ of each node, with the writer's wall-clock ``time`` and, for the loop's entries,
   it; ``training-hang``; ``agent-failed``; ``node-failed``);
 * the **recoveries** (``recovered``: the fault's kind, field ``fault``, and
   ``duration_s``, from the fault to the next completed step as the reporting daemon
-  timed it; an entry's own ``kind`` is ``recovered``, so the fault's kind cannot be a
+  timed it; ``recovered-in-place``: the same with ``daemon_s``, drawn as "<fault> in
+  place"; an entry's own ``kind`` is ``recovered``, so the fault's kind cannot be a
   field named ``kind``);
 * **steps** over time (the ``step`` field of the entries), and the newest committed
   checkpoint (``checkpoint/latest``; the journal records no checkpoints).
@@ -67,6 +68,10 @@ _FIELDS: dict[str, tuple[tuple[str, Callable[[Any], bool], str, bool], ...]] = {
     "peer-lost": (("peer", _text, "a node id", True), ("how", _text, "a string", True)),
     "recovered": (("fault", _text, "a string", False),
                   ("duration_s", lambda v: _number(v) and v >= 0, "a number >= 0", True)),
+    # An in-place re-form (docs/architecture.md): daemon_s runs from the loss decision to
+    # the workers' report; duration_s is the workers' own re-form.
+    "recovered-in-place": (("fault", _text, "a string", False),
+                           ("daemon_s", lambda v: _number(v) and v >= 0, "a number >= 0", True)),
     "workers-restarted": (("cause", _text, "a string", False),),
     "node-draining": (("reason", lambda v: isinstance(v, str), "a string", False),
                       ("grace_s", _number, "a number", False)),
@@ -241,9 +246,10 @@ def build_timeline(entries: list[Entry], job: str, *, checkpoint: dict[str, Any]
             detail = {k: e.fields[k] for k in ("exit_code", "stalled_s", "reason") if k in e.fields}
             faults.append({"kind": e.kind, "node": e.node, "t": rel(t), "time": t, "step": e.step,
                            "reported_by": [e.node], **detail})
-        if e.kind == "recovered":
-            took = float(e.fields["duration_s"])
-            recoveries.append({"node": e.node, "kind": e.fields.get("fault", "?"), "duration_s": took,
+        if e.kind in ("recovered", "recovered-in-place"):
+            took = float(e.fields["duration_s" if e.kind == "recovered" else "daemon_s"])
+            kind = e.fields.get("fault", "?") + (" in place" if e.kind != "recovered" else "")
+            recoveries.append({"node": e.node, "kind": kind, "duration_s": took,
                                "t": rel(t), "fault_t": rel(t - took), "time": t, "step": e.step})
         if e.kind == "workers-restarted":
             restarts.append({"node": e.node, "cause": e.fields.get("cause"), "t": rel(t),

@@ -208,3 +208,15 @@ def test_survivors_reports_are_one_fault_and_a_silent_node_that_returns_opens_an
     assert tl["nodes"]["a"]["member"][0]["end_kind"] == "completed"
     assert tl["completed"] and tl["duration_s"] == 50.0      # a completed job ends there
     assert [s["step"] for s in tl["steps"]] == [50, 50, 60, 80, 80, 100]
+
+
+def test_an_in_place_recovery_is_a_recovery_of_its_daemon_s():
+    entries = [_entry("a", "node-joined", 100), _entry("b", "node-joined", 100.5),
+               _entry("a", "peer-lost", 110, peer="b", how="crashed", step=50),
+               _entry("a", "recovered-in-place", 110.4, fault="peer-crashed", daemon_s=0.4,
+                      duration_s=0.03, step=50),
+               _entry("a", "job-completed", 150, step=100)]
+    tl = build_timeline(entries, "j", as_of=999)
+    (rec,) = tl["recoveries"]
+    assert (rec["kind"], rec["duration_s"], rec["fault_t"]) == ("peer-crashed in place", 0.4,
+                                                               pytest.approx(10.0))
