@@ -484,9 +484,20 @@ def _role(proc: psutil.Process) -> str | None:
         return "etcd"
     if "torch.distributed.run" in joined:
         return "agent"
+    if "elasticd.warmstart" in joined and "--serve" in cmd:
+        # The warm-start server, or a worker it forked: that keeps the server's command line.
+        return "worker" if _forked_by_server(proc) else "daemon"
     if any(s.path in cmd for s in SCRIPTS.values()):
-        return "worker"
+        return "worker"   # a cold worker, or a warm worker's (idle) client
     return "daemon" if "elasticd" in joined else None
+
+
+def _forked_by_server(proc: psutil.Process) -> bool:
+    try:
+        parent = proc.parent()
+        return parent is not None and "--serve" in parent.cmdline()
+    except psutil.Error:
+        return False
 
 
 def cpu_snapshot() -> tuple[float, dict[int, tuple[str, float]]]:
