@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from checkpointing import CheckpointManager
+from elasticd.embedded_etcd import free_port
 from tests.oracle import Run, max_rel_diff, replay, step_history
 from tests.trainer.launch import Launch
 from trainer.examples import mlp
@@ -113,7 +114,7 @@ def test_optimizer_lr_after_resume_in_a_new_world(scenario, tmp_path, monkeypatc
     from trainer.context import ElasticContext
     from trainer.loop import ElasticTrainer, TrainConfig
 
-    port = _free_port()
+    port = free_port()
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     ctx = ElasticContext.single_process(master_port=port, checkpoint_dir=str(scenario["ckpt"]),
@@ -130,11 +131,3 @@ def test_optimizer_lr_after_resume_in_a_new_world(scenario, tmp_path, monkeypatc
         assert opt.param_groups[0]["momentum"] == MOMENTUM
     finally:
         tdist.shutdown()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

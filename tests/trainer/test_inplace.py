@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from checkpointing import CheckpointManager
 from elasticd import proctree
+from elasticd.embedded_etcd import free_port
 from elasticd.generation import GenerationId, GenerationRecord, renumber, shrink, write_file
 from tests.oracle import Run, max_rel_diff, replay, step_history
 from tests.trainer.launch import EXAMPLES, json_lines
@@ -32,14 +33,6 @@ from tests.trainer.launch import EXAMPLES, json_lines
 RUN = Run(samples=240, batch=4, lr=0.05, seed=5, data_seed=99, momentum=0.9)
 EPOCH = "test-epoch"
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -70,7 +63,7 @@ class World:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.base = GenerationRecord(GenerationId(0, 0, EPOCH), renumber((f"n{r}", 1)
                                                                          for r in range(n)))
-        port = _free_port()
+        port = free_port()
         self.gpu = gpu
         self.workers = [self._start(r, n, port, bound_s, extra) for r in range(n)]
 
@@ -217,7 +210,7 @@ def test_a_re_form_that_cannot_finish_falls_back_and_keeps_the_checkpoints(world
     committed = CheckpointManager(world.ckpt, read_only=True).latest_step()
     proctree.kill_tree(world.worker("n2").proc.pid)
     dead = GenerationRecord(GenerationId(0, 1, EPOCH), renumber([("n0", 1), ("n1", 1)]),
-                            f"127.0.0.1:{_free_port()}", ("n2",))
+                            f"127.0.0.1:{free_port()}", ("n2",))
     for node in ("n0", "n1"):
         write_file(str(world.worker(node).generation_file), dead)
     started = time.monotonic()
@@ -235,7 +228,7 @@ def test_a_re_form_that_cannot_finish_falls_back_and_keeps_the_checkpoints(world
 
 
 def test_the_holder_of_the_newest_state_hands_it_to_the_survivor_a_step_behind(tmp_path):
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in (0, 1):
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", RANK=str(rank),
