@@ -33,6 +33,8 @@ _LAZY = {
     "plan_batches": "trainer.batching",
     "BatchPlan": "trainer.batching",
     "ElasticSampler": "trainer.sampler",
+    "ElasticDistributedSampler": "trainer.distributed_sampler",
+    "ElasticState": "trainer.elastic",
     "StopRequest": "trainer.stop",
     "OrphanWatchdog": "trainer.watchdog",
     "ProgressReporter": "trainer.progress",

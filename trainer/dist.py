@@ -5,7 +5,9 @@ This is the adapter to ``torch.distributed``: its errors are translated here.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from datetime import timedelta
 
 import structlog
@@ -105,10 +107,10 @@ def init_distributed(
     Idempotent: a second call returns the device without re-initialising.
     """
     ctx = ctx or ElasticContext.from_env()
+    if dist.is_initialized():  # the script's own init_process_group: its backend decides
+        return device_for(ctx, dist.get_backend())
     backend = choose_backend(backend)
     device = device_for(ctx, backend)
-    if dist.is_initialized():
-        return device
     if backend == "nccl":
         # In place, a failed collective must leave the process alive to re-form: 2 (clean
         # up the communicator only) instead of 1 (also kill the process).
@@ -178,15 +180,82 @@ def barrier() -> None:
 
 def _collective(what: str, call) -> None:
     """Run one collective (through the guard when one is installed); translate its errors."""
-    try:
+    with _translated(what):
         if _GUARD is None:
             call()
         else:
             _GUARD.wait(call(async_op=True), what)
+
+
+@contextlib.contextmanager
+def _translated(what: str) -> Iterator[None]:
+    """A peer failure or a guard release inside the block becomes CollectiveError."""
+    try:
+        yield
     except Released as exc:
         raise CollectiveError(f"{what} released: {exc}") from exc
     except (RuntimeError, ValueError) as exc:
         raise CollectiveError(f"{what} failed (a peer is gone?): {exc}") from exc
+
+
+class Agreement:
+    """The per-step agreement (any rank stopping? the loss sum), one step behind.
+
+    ``post`` starts an asynchronous all-reduce of this step's values and returns the
+    previous step's agreed values, waiting for them first. The reduction ran in the
+    background during this step's compute, so the wait costs nothing in steady state:
+    no blocking collective of its own every step. Every rank posts once per step in
+    the same order, so every rank reads the same agreed values after the same step.
+    On CUDA the result comes back through a pinned buffer and an event recorded
+    behind the all-reduce, so reading it does not wait for the step queued since.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pending: tuple[object, torch.Tensor, object] | None = None
+
+    def post(self, stop: bool, loss_sum: float | torch.Tensor | None) -> tuple[bool, float] | None:
+        """Start this step's reduction; the previous step's (stop, loss sum), None at first."""
+        previous = self.result()
+        buf = torch.zeros(2, dtype=torch.float64, device=self.device)
+        buf[0] = 1.0 if stop else 0.0
+        if loss_sum is not None:
+            buf[1] = loss_sum.detach() if isinstance(loss_sum, torch.Tensor) else loss_sum
+        with _translated("stop agreement"):
+            work = dist.all_reduce(buf, async_op=True)
+        self._pending = (work, buf, None)
+        if buf.is_cuda:
+            self._pending = (work, *self._to_host(work, buf))
+        return previous
+
+    def result(self) -> tuple[bool, float] | None:
+        """Wait for the posted reduction (through the guard) and return it; None if none."""
+        if self._pending is None:
+            return None
+        work, buf, event = self._pending
+        self._pending = None
+        with _translated("stop agreement"):
+            if _GUARD is not None:  # a lost or frozen peer must not hold this wait
+                _GUARD.wait(work, "stop agreement")
+            elif event is None:
+                work.wait()
+            if event is not None:
+                event.synchronize()
+        stop, loss = buf.tolist()
+        return stop > 0, loss
+
+    def discard(self) -> None:
+        """Forget a reduction of a group that is gone (an in-place re-form posts anew)."""
+        self._pending = None
+
+    @staticmethod
+    def _to_host(work, buf: torch.Tensor) -> tuple[torch.Tensor, object]:
+        work.wait()  # on CUDA: the current stream waits for the all-reduce, the host does not
+        host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
+        host.copy_(buf, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
 
 
 # Objects whose destructors must never run in the training thread; see shutdown().

@@ -11,13 +11,17 @@ One step (``step`` counts completed optimizer steps):
 
 1. take the next ``global_batch`` indices of the epoch's permutation; this rank's
    share is split into ``accum`` micro-batches;
-2. set the LR for the update (rescaled to the world size, ramped, scheduled);
-3. forward/backward each micro-batch (DDP syncs on the last), optimizer step,
-   advance the sampler: the state is now that of ``step + 1`` on every rank;
-4. one all-reduce agrees on stopping (any rank's SIGTERM, SIGINT or stop file)
-   and sums the loss;
-5. rank 0 saves periodically (non-blocking); on an agreed stop it saves this step
-   blocking, all ranks pass a barrier and exit with STOP_EXIT_CODE.
+2. forward/backward each micro-batch (DDP syncs on the last), optimizer step with
+   the LR rescaled to the world size, ramped and scheduled (``trainer.worldlr``);
+3. ``ElasticState.end_step``: advance the sampler and the step (the state is now
+   that of ``step + 1`` on every rank), post this step's stop flag and loss sum in
+   an asynchronous all-reduce and read the previous step's (``dist.Agreement``);
+4. rank 0 saves periodically (non-blocking); on a stop agreed (one step after any
+   rank's SIGTERM, SIGINT or stop file) it saves this step blocking, all ranks pass
+   a barrier and exit with STOP_EXIT_CODE.
+
+Steps 3-4 (and resume, reporting, the failure commit) are ``trainer.elastic``'s, the
+same code a hand-written loop runs through ``ElasticState``.
 """
 
 from __future__ import annotations
@@ -40,14 +44,12 @@ from trainer import dist as tdist
 from trainer import inplace
 from trainer.batching import BatchPlan, micro_batches, plan_batches, shard
 from trainer.context import ElasticContext
+from trainer.elastic import ElasticState, checkpoint_due
 from trainer.errors import ConfigError
-from trainer.exitcodes import COMPLETE_EXIT_CODE, FAILURE_EXIT_CODE, STOP_EXIT_CODE
-from trainer.lr import LRScale, Schedule, apply_lrs, base_lrs_of, lrs_at, start_scale
-from trainer.progress import ProgressReporter
+from trainer.exitcodes import FAILURE_EXIT_CODE, STOP_EXIT_CODE
+from trainer.lr import Schedule
 from trainer.sampler import ElasticSampler
 from trainer.state import TrainState, step_seed
-from trainer.stop import StopRequest
-from trainer.watchdog import OrphanWatchdog
 
 log = structlog.get_logger(__name__)
 
@@ -86,18 +88,6 @@ class TrainConfig:
             raise ConfigError(f"step_sleep_s={self.step_sleep_s} must be >= 0")
 
 
-def checkpoint_due(
-    step: int, since_last_s: float, every_steps: int | None, every_s: float | None
-) -> bool:
-    """Whether rank 0 saves after ``step``: every N steps and/or every T seconds.
-
-    Rank 0 decides alone (only it writes), so a time-based cadence needs no agreement.
-    """
-    by_steps = every_steps is not None and step % every_steps == 0
-    by_time = every_s is not None and since_last_s >= every_s
-    return by_steps or by_time
-
-
 def to_device(batch: Any, device: torch.device) -> Any:
     """``batch`` with every tensor (in nested tuples, lists and dicts) moved to ``device``."""
     if isinstance(batch, torch.Tensor):
@@ -126,6 +116,10 @@ class ElasticTrainer:
     (``reduction="none"``; extra dims are averaged per sample): the loop forms the
     mean over the step's global batch itself, exactly, whatever the split.
     ``lr_schedule(step)`` is an optional multiplier of the configured LRs.
+
+    Resume, checkpoints, the stop agreement and the LR rescale are ``ElasticState``'s
+    (trainer.elastic), the same implementation a hand-written loop uses; this class
+    adds the batch plan, the exact global-batch loss and the in-place re-form.
     """
 
     def __init__(
@@ -139,38 +133,39 @@ class ElasticTrainer:
         ctx: ElasticContext | None = None,
         lr_schedule: Schedule | None = None,
     ) -> None:
-        self.ctx = ctx or ElasticContext.from_env()
+        ctx = ctx or ElasticContext.from_env()
         self.config = config
         self.batch_fn = batch_fn
         self.loss_fn = loss_fn
-        self.lr_schedule = lr_schedule
-        self.base_lrs = base_lrs_of(optimizer)  # before any load_state_dict can change them
-        self.plan: BatchPlan = plan_batches(
-            self.ctx.world_size, config.micro_batch, config.global_batch
-        )
-        self.state = TrainState(
-            model=model, optimizer=optimizer,
-            sampler=ElasticSampler(dataset_len, config.seed, config.shuffle),
-            world_size=self.ctx.world_size, global_batch=self.plan.global_batch,
-        )
-        self.stop = StopRequest(self.ctx.stop_file)
-        self.progress = ProgressReporter(self.ctx, config.log_every)
-        self.watchdog = OrphanWatchdog(self.ctx.daemon_pid)
+        self.plan: BatchPlan = plan_batches(ctx.world_size, config.micro_batch,
+                                            config.global_batch)
+        # The configured LRs times the schedule are the unscaled LRs of every step: a
+        # stale LR in a loaded optimizer state can never undo (or compound) the rescale.
+        self.es = ElasticState(
+            model, optimizer, sampler=ElasticSampler(dataset_len, config.seed, config.shuffle),
+            ctx=ctx, log_every=config.log_every, exit_on_stop=False, start=False,
+            lr_schedule=lr_schedule or _constant)
+        self.es.state.global_batch = self.plan.global_batch
+        if config.global_batch is not None:
+            self.es.lr_rule = "none"  # constant global batch: the LR never changes either
+        self.es.progress.publish_generation = True  # this loop re-forms in place
         self.device = torch.device("cpu")
         self.backend = tdist.choose_backend(config.backend)
         self.ddp: torch.nn.Module = model
-        self.checkpoints: Any = None  # checkpointing.CheckpointManager when a dir is set
-        self.saved_step = -1
-        self._reported_step = -1
-        self.loss: float | None = None
-        self._last_save = time.monotonic()
+
+    @property
+    def ctx(self) -> ElasticContext:
+        return self.es.ctx
+
+    @property
+    def state(self) -> TrainState:
+        return self.es.state
 
     # -- lifecycle -----------------------------------------------------------------------
 
     def run(self) -> int:
         """Train until complete (returns 0), stopped (STOP_EXIT_CODE) or failed (1)."""
-        self.watchdog.start()
-        self.stop.install()
+        self.es.supervise()
         code = FAILURE_EXIT_CODE
         try:
             self._setup()
@@ -178,7 +173,7 @@ class ElasticTrainer:
         except tdist.CollectiveError as exc:
             code = self._on_failure(exc)
         except StaleGenerationError as exc:
-            code = self._on_stale(exc)
+            code = self.es.on_stale(exc)
         finally:
             if self._close() is not None and code != FAILURE_EXIT_CODE:
                 code = FAILURE_EXIT_CODE  # its last save was refused: not a clean end
@@ -188,9 +183,8 @@ class ElasticTrainer:
     def _setup(self) -> None:
         self.device = tdist.init_distributed(self.ctx, self.config.backend, self.config.timeout)
         self.state.model.to(self.device)
-        self._open_checkpoints()
         self._install_guard()
-        self._resume()
+        self.es.start(self.device)
         self.ddp = tdist.wrap_ddp(self.state.model, self.device, **self.config.ddp_kwargs)
 
     def _close(self) -> StaleGenerationError | None:
@@ -198,69 +192,18 @@ class ElasticTrainer:
         # The stop handlers stay installed until the process exits: restoring the default
         # SIGTERM action here let the agent's SIGTERM (sent once a peer died) kill the
         # worker before it logged its exit code (seen under load in CI).
-        stale = None
-        if self.checkpoints is not None:
-            try:
-                self.checkpoints.close()  # an in-flight periodic save still commits
-            except StaleGenerationError as exc:
-                stale = exc
-                self._on_stale(exc)
-            except Exception as exc:  # noqa: BLE001 - report, the exit code says the rest
-                log.error("checkpoint write failed", error=str(exc))
+        stale = self.es.close()
         tdist.shutdown(self.ddp)
         return stale
 
-    # -- resume --------------------------------------------------------------------------
-
-    def _open_checkpoints(self) -> None:
-        directory = self.ctx.checkpoint_dir
-        if directory is None:
-            log.warning("no checkpoint directory: a stop or failure loses all progress",
-                        hint="set ELASTICD_CHECKPOINT_DIR or --checkpoint-dir")
-            return
-        from checkpointing import CheckpointManager  # only when checkpoints are used
-
-        # One writer: rank 0. The others only load, and must not clean up rank 0's files.
-        # Rank 0 of generation g raises the directory's fence to g here (after the process
-        # group is up) and its commits are refused once a newer world raises it further.
-        self.checkpoints = CheckpointManager(directory, keep_last=self.ctx.keep_last,
-                                             read_only=not self.ctx.is_rank0,
-                                             generation=self.ctx.generation,
-                                             generation_epoch=self.ctx.generation_epoch,
-                                             generation_seq=self.ctx.generation_seq)
-
-    def _resume(self) -> None:
-        """All ranks load the step rank 0 chose, then apply the LR for this world."""
-        # Rank 0 picks the newest checkpoint that verifies (falling back past damaged
-        # ones) and broadcasts its step, so every rank loads the same one.
-        found = None
-        if self.checkpoints is not None and self.ctx.is_rank0:
-            found = self.checkpoints.load_latest()
-        step = tdist.broadcast_int(found.step if found else -1, self.device)
-        saved_scale: LRScale | None = None
-        saved_world = None
-        if step >= 0:
-            found = found or self.checkpoints.load(step)
-            saved_scale = self.state.load_checkpoint(found.state, step)
-            saved_world = found.state["world"]["world_size"]
-            self.saved_step = step
-        self.state.scale = self._scale_for(saved_scale, step)
-        lrs = self._apply_lr()
-        if step >= 0:
-            self.progress.report("resumed", step, lr=lrs[0], lrs=lrs, from_world_size=saved_world,
-                                 epoch=self.state.sampler.epoch, global_batch=self.plan.global_batch)
-
-    def _scale_for(self, saved: LRScale | None, step: int) -> LRScale:
-        # Constant global batch: the batch never changes, so neither does the LR.
-        rule = "none" if self.config.global_batch is not None else self.ctx.lr_rule
-        return start_scale(saved, max(step, 0), self.ctx.world_size, rule,
-                           self.ctx.lr_base_world_size, self.ctx.lr_warmup_steps)
-
-    def _apply_lr(self) -> list[float]:
-        assert self.state.scale is not None
-        lrs = lrs_at(self.base_lrs, self.state.scale, self.state.step, self.lr_schedule)
-        apply_lrs(self.state.optimizer, lrs)
-        return lrs
+    def _on_failure(self, exc: tdist.CollectiveError) -> int:
+        if not self.config.save_on_failure:
+            log.error("collective failed; exiting for a restart", step=self.state.step,
+                      error=str(exc))
+            return FAILURE_EXIT_CODE
+        # The state is consistent at every point a collective can fail (see ElasticState.
+        # fail), so rank 0 can keep the steps done since the last periodic checkpoint.
+        return self.es.fail(exc)
 
     # -- in-place recovery (trainer.inplace) ----------------------------------------------
 
@@ -302,13 +245,13 @@ class ElasticTrainer:
             record = self._reform(started + self.ctx.recovery_bound_s)
         except (inplace.ReformError, tdist.CollectiveError, StaleGenerationError) as err:
             took = time.monotonic() - started
-            self._report("reform-failed", reason=str(err)[:500], duration_s=round(took, 4))
+            self.es.report("reform-failed", reason=str(err)[:500], duration_s=round(took, 4))
             log.error(f"in-place re-form failed after {took:.2f} s; exiting for a torchrun "
                       "restart", reason=str(err)[:500])
             return False
         took = time.monotonic() - started
-        self._report("reformed", from_world_size=from_world, duration_s=round(took, 4),
-                     cause=cause, lost=list(record.lost))
+        self.es.report("reformed", from_world_size=from_world, duration_s=round(took, 4),
+                       cause=cause, lost=list(record.lost))
         log.info(f"re-formed in place in {took:.3f} s: rank {self.ctx.rank} of "
                  f"{self.ctx.world_size} in generation {record.id} (was {from_world} in "
                  f"{from_gen}); redoing step {self.state.step + 1}")
@@ -328,16 +271,17 @@ class ElasticTrainer:
                 f"{ctx.local_rank}): this worker was fenced out")
         tdist.install_guard(None)
         tdist.retain(self.ddp)
+        assert self.es.agreement is not None
+        self.es.agreement.discard()  # the old group's; stop requests are re-sent (sticky)
         inplace.abandon_group(tdist.RETAINED, self.backend, left())
         inplace.join_group(record, rank, self.backend, self.device, self.config.timeout, left())
         inplace.bounded(self._sync_state, left(), "agreeing on the newest state")
-        if self.state.step > self._reported_step:
+        if self.state.step > self.es.reported_step:
             # A step whose all-reduce completed here (or on the holder) but whose boundary
             # collective did not: it was a step of the old world, and its record says so.
-            self._report("step")
+            self.es.report("step")
         self._adopt(record, rank)
-        self.state.scale = self._scale_for(self.state.scale, self.state.step)
-        self._apply_lr()
+        self.es.rescale(self.state.scale)
         self._install_guard()
         self.ddp = tdist.wrap_ddp(self.state.model, self.device,
                                   **{**self.config.ddp_kwargs, "init_sync": False})
@@ -346,18 +290,18 @@ class ElasticTrainer:
     def _adopt(self, record: GenerationRecord, rank: int) -> None:
         """This worker's place in the new generation: rank, world, batch plan, writer role."""
         was_rank0 = self.ctx.is_rank0
-        self.ctx = dataclasses.replace(self.ctx, rank=rank, world_size=record.world_size,
-                                       generation_seq=record.id.seq)
-        self.progress.ctx = self.ctx
+        self.es.ctx = dataclasses.replace(self.ctx, rank=rank, world_size=record.world_size,
+                                          generation_seq=record.id.seq)
+        self.es.progress.ctx = self.ctx
         self.plan = plan_batches(self.ctx.world_size, self.config.micro_batch,
                                  self.config.global_batch)
         self.state.world_size, self.state.global_batch = self.ctx.world_size, self.plan.global_batch
-        if self.checkpoints is None or not self.ctx.is_rank0:
+        if self.es.checkpoints is None or not self.ctx.is_rank0:
             return
         if was_rank0:
-            self.checkpoints.advance_generation(record.id.seq)
+            self.es.checkpoints.advance_generation(record.id.seq)
         else:  # rank 0 was lost: this survivor is the writer now
-            self._open_checkpoints()
+            self.es.open_checkpoints()
 
     def _sync_state(self) -> None:
         """Every survivor continues from the newest completed step (see trainer.inplace)."""
@@ -376,16 +320,11 @@ class ElasticTrainer:
     def _train(self) -> int:
         while not self._complete():
             n, loss_sum = self._step()
-            stop, loss_total = tdist.step_boundary(self.stop.requested(), loss_sum, self.device)
-            self.loss = loss_total / n
-            if stop and not self._complete():  # a stop at the last step is a completion
-                self._report("step")  # every step done gets its line; "stopped" follows
-                return self._stop()
-            saved = self._periodic_checkpoint()
-            self._report("checkpoint" if saved else "step")
+            if self.es.end_step(loss_sum, n, samples=n, last=self._complete):
+                return STOP_EXIT_CODE  # agreed, committed, every rank past the barrier
             if self.config.step_sleep_s:
                 time.sleep(self.config.step_sleep_s)
-        return self._finish()
+        return self.es.finish(log_exit=False)
 
     def _complete(self) -> bool:
         cfg, st = self.config, self.state
@@ -394,21 +333,20 @@ class ElasticTrainer:
         )
 
     def _step(self) -> tuple[int, float]:
-        """One optimizer step; returns (global sample count, this rank's loss sum)."""
+        """One optimizer step; returns (global sample count, this rank's loss sum).
+
+        ``ElasticState.end_step`` then advances the sampler and the step: from there the
+        state is that of ``step + 1`` on every rank (the gradient all-reduce succeeded),
+        which is what makes a checkpoint after a later failure consistent.
+        """
         st, ctx = self.state, self.ctx
         indices = st.sampler.next_indices(self.plan.global_batch)
         mine = shard(indices, ctx.world_size, ctx.rank)
-        lrs = self._apply_lr()
         if self.config.reseed_each_step:
             torch.manual_seed(step_seed(self.config.seed, st.step, ctx.rank))
         st.optimizer.zero_grad(set_to_none=True)
         loss_sum = self._accumulate(micro_batches(mine, self.plan.accum), len(indices), indices[0])
         st.optimizer.step()
-        # From here the state is that of step + 1 on every rank (the gradient all-reduce
-        # succeeded), which is what makes a checkpoint after a later failure consistent.
-        st.sampler.advance(len(indices))
-        st.step += 1
-        st.lrs_used = lrs
         return len(indices), loss_sum
 
     def _accumulate(self, micro: Sequence[np.ndarray], n_global: int, filler: int) -> float:
@@ -443,73 +381,10 @@ class ElasticTrainer:
             )
         return losses.flatten(1).mean(1) if losses.dim() > 1 else losses
 
-    # -- checkpoints and endings ---------------------------------------------------------
 
-    def _periodic_checkpoint(self) -> bool:
-        if self.checkpoints is None or not self.ctx.is_rank0:
-            return False
-        due = checkpoint_due(self.state.step, time.monotonic() - self._last_save,
-                             self.ctx.checkpoint_every_steps, self.ctx.checkpoint_every_s)
-        if due:
-            self._save("periodic", blocking=False)
-        return due
+def _constant(_step: int) -> float:
+    return 1.0
 
-    def _save(self, reason: str, blocking: bool) -> None:
-        st = self.state
-        meta = {"reason": reason, "world_size": st.world_size, "loss": self.loss,
-                "lr": (st.lrs_used or self.base_lrs)[0], "run_id": self.ctx.run_id,
-                "restart_count": self.ctx.restart_count}
-        self.checkpoints.save(st.step, st.to_checkpoint(), blocking=blocking, metadata=meta)
-        self.saved_step = st.step
-        self._last_save = time.monotonic()
-        log.info("checkpoint saved" if blocking else "checkpoint started", step=st.step,
-                 reason=reason, blocking=blocking)
 
-    def _commit_final(self, reason: str) -> None:
-        """Rank 0 commits the current step (blocking) unless it is saved already."""
-        if self.checkpoints is None or not self.ctx.is_rank0:
-            return
-        if self.saved_step == self.state.step:
-            self.checkpoints.wait()  # it may still be writing in the background
-        else:
-            self._save(reason, blocking=True)
-
-    def _stop(self) -> int:
-        log.info("coordinated stop", step=self.state.step, reason=self.stop.reason or "a peer")
-        self._commit_final("stop")
-        # Nobody exits before rank 0 has committed: torchrun stops the whole group as
-        # soon as one worker exits non-zero.
-        tdist.barrier()
-        self._report("stopped", stop_reason=self.stop.reason or "peer")
-        return STOP_EXIT_CODE
-
-    def _finish(self) -> int:
-        self._commit_final("complete")
-        tdist.barrier()
-        self._report("completed")
-        return COMPLETE_EXIT_CODE
-
-    def _on_failure(self, exc: tdist.CollectiveError) -> int:
-        log.error("collective failed; exiting for a restart", step=self.state.step, error=str(exc))
-        if self.config.save_on_failure and self.state.step > max(self.saved_step, 0):
-            # The state is consistent at every point a collective can fail (see _step), so
-            # rank 0 can keep the steps done since the last periodic checkpoint.
-            with contextlib.suppress(Exception):
-                self._commit_final("failure")
-        return FAILURE_EXIT_CODE
-
-    def _on_stale(self, exc: StaleGenerationError) -> int:
-        """A newer world owns the checkpoint directory: this worker is stale; it exits, and
-        nothing of it was committed (the fence refused the manifest)."""
-        log.error("stale worker: a newer generation owns the checkpoint directory; exiting "
-                  "without committing", step=self.state.step, generation=str(exc.generation),
-                  fence=str(exc.fence), rank=self.ctx.rank)
-        return FAILURE_EXIT_CODE
-
-    def _report(self, event: str, **fields: Any) -> None:
-        st = self.state
-        if event in ("step", "checkpoint"):
-            self._reported_step = st.step
-        lrs = st.lrs_used or self.base_lrs
-        self.progress.report(event, st.step, lr=lrs[0], loss=self.loss, lrs=lrs,
-                             epoch=st.sampler.epoch, global_batch=self.plan.global_batch, **fields)
+__all__ = ["BatchFn", "ElasticTrainer", "LossFn", "TrainConfig", "checkpoint_due",
+           "dataset_batch_fn", "to_device"]

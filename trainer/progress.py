@@ -1,7 +1,8 @@
 """Progress reports: the ``ELASTICD_PROGRESS_FILE`` JSON and the matching structlog lines.
 
 Local rank 0 of each node atomically rewrites the progress file (temp file +
-rename, no fsync: it is a status, not a record) after every step; the daemon reads
+rename, no fsync: it is a status, not a record) after every event, and after steps
+at most every ``FILE_INTERVAL_S`` (always the first step after another event); the daemon reads
 it for status and crash-loop detection, the benchmarks to time recovery (the
 ``time`` of the first ``step`` after a ``resumed``). The same record is logged as a
 structlog line every ``log_every`` steps and on every other event.
@@ -20,6 +21,11 @@ import structlog
 from trainer.context import ElasticContext
 
 log = structlog.get_logger(__name__)
+
+# A status, not a record (the log lines are the record): its readers (the daemon's
+# status and crash-loop check, the benchmarks' recovery clocks) need a few rewrites a
+# second and the first step after each event, not a rewrite per step.
+FILE_INTERVAL_S = 0.25
 
 EVENTS = ("step", "resumed", "checkpoint", "stopped", "completed", "reformed", "reform-failed")
 
@@ -41,6 +47,7 @@ class ProgressReporter:
         log_every: int = 10,
         wall_clock: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.monotonic,
+        file_interval_s: float = FILE_INTERVAL_S,
     ) -> None:
         self.ctx = ctx
         self.enabled = ctx.is_local_rank0
@@ -50,6 +57,11 @@ class ProgressReporter:
         self._clock = clock
         self._rate_mark: tuple[float, int] | None = None
         self.steps_per_s = 0.0
+        self.file_interval_s = file_interval_s
+        # The generation in the record is the daemon's base for an in-place re-form: only a
+        # loop that can re-form in place publishes it (others are restarted instead).
+        self.publish_generation = True
+        self._last_file: tuple[str, float] | None = None  # (event, when) of the last rewrite
 
     def record(self, event: str, step: int, **fields: Any) -> dict[str, Any]:
         """The progress record of ``event`` at ``step`` (the contract's keys first)."""
@@ -73,7 +85,7 @@ class ProgressReporter:
         # The daemon publishes this (with rank and local_world_size) as its node's part of
         # the world: the base from which the daemons agree on an in-place re-form.
         gen = self.ctx.generation_id
-        return {} if gen is None else {"generation": gen.as_dict()}
+        return {} if gen is None or not self.publish_generation else {"generation": gen.as_dict()}
 
     def report(self, event: str, step: int, **fields: Any) -> None:
         """Rewrite the progress file; log unless it is a ``step`` between log points."""
@@ -84,12 +96,23 @@ class ProgressReporter:
         if event in ("step", "checkpoint"):
             self._update_rate(step)
         rec = self.record(event, step, **fields)
-        if self.path:
+        if self.path and self._file_due(event):
             write_atomic(self.path, json.dumps(rec))
         if event != "step" or step % self.log_every == 0:
             # structlog's message key is "event" too: the line's event is the progress event.
             fields = {k: v for k, v in rec.items() if k != "event"}
             log.info(event, kind="progress", **fields)
+
+    def _file_due(self, event: str) -> bool:
+        """Every event but ``step`` is written; steps at most every ``file_interval_s``, and
+        always the first step after another event (the step that ends a recovery)."""
+        now = self._clock()
+        last = self._last_file
+        if event == "step" and last is not None and last[0] == "step" and (
+                now - last[1] < self.file_interval_s):
+            return False
+        self._last_file = (event, now)
+        return True
 
     def _update_rate(self, step: int) -> None:
         now = self._clock()

@@ -8,44 +8,65 @@ draws exactly what a run without the interruption would have drawn.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
+import structlog
 import torch
 
 from trainer.errors import CheckpointMismatch
 from trainer.lr import LRScale
-from trainer.sampler import ElasticSampler
+
+log = structlog.get_logger(__name__)
 
 FORMAT_VERSION = 1
 
 
+class Stateful(Protocol):
+    """What a checkpoint can hold besides tensors: torch's ``state_dict`` protocol."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+
+
 @dataclass
 class TrainState:
-    """The live, resumable state of a run: what a checkpoint of ``step`` captures."""
+    """The live, resumable state of a run: what a checkpoint of ``step`` captures.
+
+    ``sampler`` is an ``ElasticSampler`` (ElasticTrainer) or an
+    ``ElasticDistributedSampler`` (a hand-written loop); ``stateful`` holds the
+    optional extras by checkpoint key: ``scheduler``, ``scaler`` and the script's own
+    objects under ``extra.<name>``.
+    """
 
     model: torch.nn.Module  # the unwrapped module
     optimizer: torch.optim.Optimizer
-    sampler: ElasticSampler
+    sampler: Any
     step: int = 0
     scale: LRScale | None = None
     lrs_used: list[float] | None = None
     world_size: int = 1
     global_batch: int = 0
+    stateful: dict[str, Stateful] = field(default_factory=dict)
 
     def to_checkpoint(self) -> dict[str, Any]:
         """The nested dict handed to ``CheckpointManager.save``."""
         assert self.scale is not None
-        return {
+        state = {
             "format": FORMAT_VERSION,
             "step": self.step,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "sampler": self.sampler.state_dict(),
             "lr": {"scale": self.scale.state_dict(), "lrs_used": list(self.lrs_used or [])},
             "world": {"world_size": self.world_size, "global_batch": self.global_batch},
         }
+        if self.sampler is not None:
+            state["sampler"] = self.sampler.state_dict()
+        if self.stateful:
+            state["stateful"] = {key: obj.state_dict() for key, obj in self.stateful.items()}
+        return state
 
     def load_checkpoint(self, saved: dict[str, Any], step: int) -> LRScale:
         """Restore model, optimizer and data position; return the saved LR scale.
@@ -61,10 +82,31 @@ class TrainState:
             )
         self.model.load_state_dict(saved["model"])
         self.optimizer.load_state_dict(saved["optimizer"])
-        self.sampler.load_state_dict(saved["sampler"])
+        if self.sampler is not None:
+            if "sampler" not in saved:
+                raise CheckpointMismatch(
+                    f"checkpoint of step {step} holds no data position: it was written by a "
+                    "loop without an elastic sampler; resume without one or use a fresh "
+                    "checkpoint directory")
+            self.sampler.load_state_dict(saved["sampler"])
+        self._load_stateful(saved.get("stateful", {}), step)
         self.step = step
         self.lrs_used = [float(x) for x in saved["lr"]["lrs_used"]]
         return LRScale.from_state_dict(saved["lr"]["scale"])
+
+
+    def _load_stateful(self, saved: dict[str, Any], step: int) -> None:
+        # A scheduler added to (or dropped from) a script mid-run must not end a week-long
+        # job: the fresh object keeps its own state, and the log says which one.
+        for key, obj in self.stateful.items():
+            if key in saved:
+                obj.load_state_dict(saved[key])
+            else:
+                log.warning("checkpoint holds no state for this object; it starts fresh",
+                            key=key, step=step)
+        for key in sorted(set(saved) - set(self.stateful)):
+            log.warning("checkpoint state not restored: nothing registered under its key",
+                        key=key, step=step, hint="register it with the same name")
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:

@@ -1,0 +1,426 @@
+"""``ElasticState``: resume, checkpoints, coordinated stop and the LR rescale for any loop.
+
+The one implementation of those four, used by a hand-written loop directly and by
+``ElasticTrainer`` (trainer.loop) underneath. A hand-written DDP loop keeps its shape::
+
+    sampler = ElasticDistributedSampler(dataset, shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_size=32, sampler=sampler, num_workers=2)
+    state = ElasticState(ddp_model, optimizer, loader=loader, scheduler=scheduler)
+    for epoch in range(state.epoch, epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            ...; loss.backward(); optimizer.step(); scheduler.step()
+            state.step_done(loss)
+    exit_worker(state.finish())
+
+Construction resumes: rank 0 picks the newest checkpoint that verifies, every rank
+loads it (model, optimizer, sampler, scheduler, grad scaler, registered extras) and
+the world-size LR rescale is set for this world (``trainer.worldlr``). ``step_done``
+counts the step, moves the sampler past the step's samples, agrees on stopping one
+step behind without a blocking collective (``dist.Agreement``), saves on the
+checkpoint cadence (rank 0, in the background) and reports progress. On an agreed
+stop (SIGTERM, SIGINT, the daemon's stop file) it commits the step, waits for every
+rank and exits the process with ``STOP_EXIT_CODE``: the loop never sees it.
+An uncaught exception ends the worker through ``exit_worker`` (after rank 0 commits
+the last completed step, when the failure was a peer's): interpreter teardown after
+a peer died can hang in torch's destructors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn
+
+import structlog
+import torch
+
+from checkpointing.errors import StaleGenerationError
+from trainer import dist as tdist
+from trainer.context import ElasticContext
+from trainer.errors import ConfigError
+from trainer.exitcodes import COMPLETE_EXIT_CODE, FAILURE_EXIT_CODE, STOP_EXIT_CODE, exit_worker
+from trainer.logs import configure_logging
+from trainer.lr import LRScale, Schedule, start_scale
+from trainer.progress import ProgressReporter
+from trainer.state import Stateful, TrainState
+from trainer.stop import StopRequest
+from trainer.watchdog import OrphanWatchdog
+from trainer.worldlr import WorldLR
+
+log = structlog.get_logger(__name__)
+
+
+def checkpoint_due(
+    step: int, since_last_s: float, every_steps: int | None, every_s: float | None
+) -> bool:
+    """Whether rank 0 saves after ``step``: every N steps and/or every T seconds.
+
+    Rank 0 decides alone (only it writes), so a time-based cadence needs no agreement.
+    """
+    by_steps = every_steps is not None and step % every_steps == 0
+    by_time = every_s is not None and since_last_s >= every_s
+    return by_steps or by_time
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose ``state_dict`` a checkpoint holds (DDP's ``.module``)."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+class ElasticState:
+    """See the module docstring. One instance per worker process.
+
+    ``loader``: a ``DataLoader`` over an ``ElasticDistributedSampler`` with a
+    ``batch_size`` (each step consumes one batch per rank). Or pass ``sampler`` and
+    give ``step_done(samples=...)`` the samples this rank used. ``extra``: any other
+    objects with ``state_dict``/``load_state_dict`` to checkpoint, by name.
+    ``lr_schedule(step)``: instead of a torch scheduler, a multiplier of the LRs the
+    optimizer was built with. ``start=False`` defers ``supervise`` and ``start`` to the
+    caller (ElasticTrainer).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        loader: Any = None,
+        sampler: Any = None,
+        scheduler: Stateful | None = None,
+        scaler: Stateful | None = None,
+        extra: Mapping[str, Stateful] | None = None,
+        ctx: ElasticContext | None = None,
+        log_every: int = 10,
+        exit_on_stop: bool = True,
+        start: bool = True,
+        lr_schedule: Schedule | None = None,
+    ) -> None:
+        if not structlog.is_configured():
+            configure_logging()  # the progress lines are the contract's JSON lines
+        self.ctx = ctx or ElasticContext.from_env()
+        self.batch_size = _batch_size(loader)
+        sampler = _sampler_of(loader, sampler)
+        stateful = {"scheduler": scheduler, "scaler": scaler,
+                    **{f"extra.{name}": obj for name, obj in (extra or {}).items()}}
+        self.state = TrainState(model=unwrap(model), optimizer=optimizer, sampler=sampler,
+                                world_size=self.ctx.world_size,
+                                global_batch=(self.batch_size or 0) * self.ctx.world_size,
+                                stateful={k: v for k, v in stateful.items() if v is not None})
+        self.lr_rule = self.ctx.lr_rule
+        self.lr = WorldLR(optimizer, self._scale, lambda: self.state.step, lr_schedule)
+        self.stop = StopRequest(self.ctx.stop_file)
+        self.progress = ProgressReporter(self.ctx, log_every)
+        self.progress.publish_generation = False  # set by a loop that re-forms in place
+        self.watchdog = OrphanWatchdog(self.ctx.daemon_pid)
+        self.exit_on_stop = exit_on_stop
+        self.device = torch.device("cpu")
+        self.agreement: tdist.Agreement | None = None
+        self.checkpoints: Any = None  # checkpointing.CheckpointManager when a dir is set
+        self.saved_step = -1
+        self.reported_step = -1
+        self.loss: float | None = None  # the global mean loss of step ``loss_step``
+        self.loss_step: int | None = None  # (one step behind: see dist.Agreement)
+        self._loss_divisor: float | None = None  # of the step whose agreement is in flight
+        self._updates_at_done = 0
+        self._last_save = time.monotonic()
+        self._closed = False
+        self._stale: StaleGenerationError | None = None
+        if start:
+            self.supervise()
+            self.start()
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """The epoch to (re)start the loop at: the sampler's, after a resume."""
+        return int(getattr(self.state.sampler, "epoch", 0))
+
+    @property
+    def step(self) -> int:
+        """Completed optimizer steps (restored on resume)."""
+        return self.state.step
+
+    def supervise(self) -> None:
+        """The orphan watchdog, the stop signals and the uncaught-exception exit."""
+        self.watchdog.start()
+        self.stop.install()
+        previous = sys.excepthook
+
+        def on_uncaught(kind, exc, tb) -> None:  # noqa: ANN001 - sys.excepthook's signature
+            previous(kind, exc, tb)
+            code = self.fail(exc)
+            self.close()
+            self._exit(code)
+
+        sys.excepthook = on_uncaught
+
+    def start(self, device: torch.device | None = None) -> None:
+        """Join the process group (if the script has not), open checkpoints, resume."""
+        self.device = device or tdist.init_distributed(self.ctx)
+        self.agreement = tdist.Agreement(self.device)
+        self.open_checkpoints()
+        self.resume()
+
+    def open_checkpoints(self) -> None:
+        directory = self.ctx.checkpoint_dir
+        if directory is None:
+            log.warning("no checkpoint directory: a stop or failure loses all progress",
+                        hint="set ELASTICD_CHECKPOINT_DIR or --checkpoint-dir")
+            return
+        from checkpointing import CheckpointManager  # only when checkpoints are used
+
+        # One writer: rank 0. The others only load, and must not clean up rank 0's files.
+        # Rank 0 of generation g raises the directory's fence to g here (after the process
+        # group is up) and its commits are refused once a newer world raises it further.
+        self.checkpoints = CheckpointManager(directory, keep_last=self.ctx.keep_last,
+                                             read_only=not self.ctx.is_rank0,
+                                             generation=self.ctx.generation,
+                                             generation_epoch=self.ctx.generation_epoch,
+                                             generation_seq=self.ctx.generation_seq)
+
+    def resume(self) -> None:
+        """All ranks load the step rank 0 chose, then set the LR rescale for this world."""
+        # Rank 0 picks the newest checkpoint that verifies (falling back past damaged
+        # ones) and broadcasts its step, so every rank loads the same one.
+        found = None
+        if self.checkpoints is not None and self.ctx.is_rank0:
+            found = self.checkpoints.load_latest()
+        step = tdist.broadcast_int(found.step if found else -1, self.device)
+        saved_scale: LRScale | None = None
+        saved_world = None
+        if step >= 0:
+            found = found or self.checkpoints.load(step)
+            saved_scale = self.state.load_checkpoint(found.state, step)
+            saved_world = found.state["world"]["world_size"]
+            self.saved_step = step
+        self.rescale(saved_scale)
+        self._updates_at_done = self.lr.updates
+        if step >= 0:
+            lrs = self.lr.preview()  # the LR of the next update, in this world
+            self.progress.report("resumed", step, lr=lrs[0], lrs=lrs, from_world_size=saved_world,
+                                 epoch=self.epoch, global_batch=self.state.global_batch,
+                                 **self._position())
+
+    def rescale(self, saved: LRScale | None) -> None:
+        """The LR factor for this world, from the one in force before (None: a fresh start)."""
+        self.state.scale = start_scale(saved, self.state.step, self.ctx.world_size, self.lr_rule,
+                                       self.ctx.lr_base_world_size, self.ctx.lr_warmup_steps)
+
+    def _scale(self) -> LRScale:
+        if self.state.scale is None:
+            raise ConfigError("optimizer.step() before ElasticState started: construct "
+                              "ElasticState (it resumes) before the training loop")
+        return self.state.scale
+
+    # -- the step ------------------------------------------------------------------------
+
+    def step_done(self, loss: torch.Tensor | float | None = None, *, batches: int = 1,
+                  samples: int | None = None) -> bool:
+        """Call once after each ``optimizer.step()``; ``loss``: this rank's mean loss.
+
+        ``batches``: loader batches this step consumed (gradient accumulation); or
+        ``samples``: the samples this rank consumed, for a loop without ``loader=``.
+        Returns False. On an agreed stop it does not return (see the module docstring)
+        unless ``exit_on_stop=False``, when it returns True after the stop commit.
+        """
+        if samples is None and self.batch_size is not None:
+            samples = min(self.batch_size * batches, self.state.sampler.remaining)
+        return self.end_step(loss, float(self.ctx.world_size), samples)
+
+    def end_step(self, loss_sum: torch.Tensor | float | None, loss_divisor: float,
+                 samples: int | None = None, last: Callable[[], bool] | None = None) -> bool:
+        """``step_done`` for a loop that knows more: ``loss_sum`` / ``loss_divisor`` summed
+        over ranks is the step's loss; ``last()``, asked once the step is counted: the run
+        ends here (a stop agreed now is a completion)."""
+        st = self.state
+        self._advance_sampler(samples)
+        st.step += 1
+        st.lrs_used = self.lr.applied
+        # From here the state is that of the new step on every rank: a failure in a later
+        # collective may commit it (see fail()).
+        self._updates_at_done = self.lr.updates
+        assert self.agreement is not None, "start() first"
+        agreed = self.agreement.post(self.stop.requested(), loss_sum)
+        self._agreed_loss(agreed, st.step - 1)
+        self._loss_divisor = loss_divisor if loss_sum is not None else None
+        if agreed is not None and agreed[0] and not (last and last()):
+            self.report("step")  # every step done gets its line; "stopped" follows
+            code = self.stop_now()
+            if self.exit_on_stop:
+                self.close()
+                self._exit(code)
+            return True
+        saved = self.periodic_checkpoint()
+        self.report("checkpoint" if saved else "step")
+        return False
+
+    def _advance_sampler(self, samples: int | None) -> None:
+        if samples is not None:
+            self.state.sampler.advance(samples)
+
+    # -- checkpoints and endings ---------------------------------------------------------
+
+    def periodic_checkpoint(self) -> bool:
+        if self.checkpoints is None or not self.ctx.is_rank0:
+            return False
+        due = checkpoint_due(self.state.step, time.monotonic() - self._last_save,
+                             self.ctx.checkpoint_every_steps, self.ctx.checkpoint_every_s)
+        if due:
+            self.save("periodic", blocking=False)
+        return due
+
+    def save(self, reason: str, blocking: bool) -> None:
+        st = self.state
+        meta = {"reason": reason, "world_size": st.world_size, "loss": self.loss,
+                "lr": (st.lrs_used or self.lr.unscaled())[0], "run_id": self.ctx.run_id,
+                "restart_count": self.ctx.restart_count}
+        self.checkpoints.save(st.step, st.to_checkpoint(), blocking=blocking, metadata=meta)
+        self.saved_step = st.step
+        self._last_save = time.monotonic()
+        log.info("checkpoint saved" if blocking else "checkpoint started", step=st.step,
+                 reason=reason, blocking=blocking)
+
+    def commit_final(self, reason: str) -> None:
+        """Rank 0 commits the current step (blocking) unless it is saved already."""
+        if self.checkpoints is None or not self.ctx.is_rank0:
+            return
+        if self.saved_step == self.state.step:
+            self.checkpoints.wait()  # it may still be writing in the background
+        else:
+            self.save(reason, blocking=True)
+
+    def stop_now(self) -> int:
+        """The agreed stop: rank 0 commits this step, every rank waits for it; the exit code."""
+        log.info("coordinated stop", step=self.state.step, reason=self.stop.reason or "a peer")
+        self._settle()
+        self.commit_final("stop")
+        # Nobody exits before rank 0 has committed: torchrun stops the whole group as
+        # soon as one worker exits non-zero.
+        tdist.barrier()
+        self.report("stopped", stop_reason=self.stop.reason or "peer")
+        return STOP_EXIT_CODE
+
+    def finish(self, *, log_exit: bool = True) -> int:
+        """The loop is done: commit the final step, wait for every rank; 0 (complete).
+
+        For a hand-written loop: ``exit_worker(state.finish())``. ``log_exit=False``: the
+        caller logs the worker's exit itself (ElasticTrainer.run)."""
+        self._settle()
+        self.commit_final("complete")
+        tdist.barrier()
+        self.report("completed")
+        # A refused last save is not a clean end.
+        code = FAILURE_EXIT_CODE if self.close() is not None else COMPLETE_EXIT_CODE
+        if log_exit:
+            self._log_exit(code)
+        return code
+
+    def _log_exit(self, code: int) -> None:
+        log.info("worker exit", exit_code=code, step=self.state.step, rank=self.ctx.rank)
+
+    def _exit(self, code: int) -> NoReturn:
+        self._log_exit(code)
+        exit_worker(code)
+
+    def _settle(self) -> None:
+        """Wait for the agreement in flight, so no collective of this step is left behind."""
+        if self.agreement is not None:
+            self._agreed_loss(self.agreement.result(), self.state.step)
+
+    def _agreed_loss(self, agreed: tuple[bool, float] | None, step: int) -> None:
+        if agreed is not None and self._loss_divisor:
+            self.loss, self.loss_step = agreed[1] / self._loss_divisor, step
+
+    def fail(self, exc: BaseException) -> int:
+        """The exit code for an exception that ends the worker, after what can be saved.
+
+        A peer's failure: rank 0 commits the last completed step if the model has not
+        been stepped since (an optimizer step after ``step_done`` would make the saved
+        step lie about the weights). A newer world owning the checkpoints: nothing.
+        """
+        if isinstance(exc, StaleGenerationError):
+            return self.on_stale(exc)
+        collective = isinstance(exc, tdist.CollectiveError) or tdist.is_collective_failure(exc)
+        log.error("collective failed; exiting for a restart" if collective else
+                  "the training loop raised; exiting", step=self.state.step, error=str(exc)[:500])
+        if collective and self.state.step > max(self.saved_step, 0) and self.consistent():
+            with contextlib.suppress(Exception):
+                self.commit_final("failure")
+        return FAILURE_EXIT_CODE
+
+    def consistent(self) -> bool:
+        """Whether the live state is exactly that of ``step`` (no optimizer step since)."""
+        return self.lr.updates == self._updates_at_done
+
+    def on_stale(self, exc: StaleGenerationError) -> int:
+        """A newer world owns the checkpoint directory: this worker is stale; it exits, and
+        nothing of it was committed (the fence refused the manifest)."""
+        log.error("stale worker: a newer generation owns the checkpoint directory; exiting "
+                  "without committing", step=self.state.step, generation=str(exc.generation),
+                  fence=str(exc.fence), rank=self.ctx.rank)
+        return FAILURE_EXIT_CODE
+
+    def close(self) -> StaleGenerationError | None:
+        """Finish the in-flight save; returns its StaleGenerationError if it was refused.
+
+        Idempotent: a second call returns the first one's answer."""
+        if self._closed:
+            return self._stale
+        self._closed = True
+        stale = None
+        if self.checkpoints is not None:
+            try:
+                self.checkpoints.close()  # an in-flight periodic save still commits
+            except StaleGenerationError as exc:
+                stale = exc
+                self.on_stale(exc)
+            except Exception as exc:  # noqa: BLE001 - report, the exit code says the rest
+                log.error("checkpoint write failed", error=str(exc))
+        self._stale = stale
+        return stale
+
+    def report(self, event: str, **fields: Any) -> None:
+        st = self.state
+        if event in ("step", "checkpoint"):
+            self.reported_step = st.step
+        lrs = st.lrs_used or self.lr.preview()
+        self.progress.report(event, st.step, lr=lrs[0], loss=self.loss, lrs=lrs,
+                             epoch=self.epoch, global_batch=st.global_batch,
+                             loss_step=self.loss_step, **{**self._position(), **fields})
+
+    def _position(self) -> dict[str, int]:
+        """The drop-in sampler's stream position: with the world sizes, the replay's data."""
+        position = getattr(self.state.sampler, "position", None)
+        return {} if position is None else {"position": int(position)}
+
+
+def _sampler_of(loader: Any, sampler: Any) -> Any:
+    if loader is None:
+        return sampler
+    from trainer.distributed_sampler import ElasticDistributedSampler
+
+    found = getattr(loader, "sampler", None)
+    if not isinstance(found, ElasticDistributedSampler):
+        raise ConfigError(
+            f"the loader's sampler is {type(found).__name__}: build the DataLoader with "
+            "sampler=ElasticDistributedSampler(dataset) (it replaces DistributedSampler), "
+            "or pass sampler= and step_done(samples=...) instead of loader=")
+    if sampler is not None and sampler is not found:
+        raise ConfigError("pass loader= or sampler=, not both")
+    return found
+
+
+def _batch_size(loader: Any) -> int | None:
+    if loader is None:
+        return None
+    size = getattr(loader, "batch_size", None)
+    if not isinstance(size, int) or size < 1:
+        raise ConfigError(
+            f"the loader's batch_size is {size!r}: ElasticState(loader=...) counts one batch "
+            "of batch_size samples per rank per step; give the DataLoader a batch_size, or "
+            "pass sampler= and step_done(samples=...)")
+    return size
