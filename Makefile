@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test chaos inplace lint demo bench clean
+.PHONY: venv test chaos inplace dropin lint demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,9 @@ chaos: $(STAMP)
 
 inplace: $(STAMP)
 	$(BIN)/python -m pytest -q -m inplace
+
+dropin: $(STAMP)
+	$(BIN)/python -m pytest -q -m dropin
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

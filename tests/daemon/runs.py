@@ -1,0 +1,69 @@
+"""Steps the whole-job daemon scenarios share: a world of three, one node lost, the end.
+
+Each takes the nodes (``tests.daemon_nodes.DaemonNode``) a test's fixture started, so
+the in-place scenarios and the drop-in loop's scenarios run the same choreography.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+
+from tests.daemon_nodes import DaemonNode, stepping_at, wait_for
+
+
+def by_rank(nodes: list[DaemonNode], rank0: bool) -> DaemonNode:
+    """The node whose workers hold rank 0 (or the first that does not)."""
+    return next(n for n in nodes if ((n.progress() or {}).get("rank") == 0) == rank0)
+
+
+def progress_records(node: DaemonNode) -> list[dict]:
+    """The workers' progress lines of ``node``, in order (every incarnation)."""
+    return [r for r in node.log_events() if r.get("kind") == "progress"]
+
+
+def completed(nodes: list[DaemonNode], timeout_s: float = 120) -> None:
+    """Every daemon exited 0: its job completed."""
+    wait_for(lambda: all(n.proc.poll() is not None for n in nodes), timeout_s,
+             "every survivor's daemon to exit once the job completed", nodes)
+    assert [n.proc.returncode for n in nodes] == [0] * len(nodes), [n.log_tail() for n in nodes]
+
+
+def world_of_three(start: Callable[[str], DaemonNode], at_step: int = 15) -> list[DaemonNode]:
+    """Nodes a, b, c in a world of 3 in its steady state: every daemon has published its
+    workers' world (a fault in the first steps, before that, is recovered by the restart
+    path)."""
+    nodes = [start(n) for n in "abc"]
+    wait_for(lambda: stepping_at(nodes, 3, 0) and all(n.progress()["step"] >= at_step
+                                                       for n in nodes),
+             120, f"a world of 3 at step {at_step}", nodes)
+    return nodes
+
+
+def lose_one(three: list[DaemonNode], everyone: list[DaemonNode], rank0: bool = False,
+             sig: int = signal.SIGKILL, within_s: float = 30
+             ) -> tuple[DaemonNode, list[DaemonNode], float]:
+    """One node of ``three`` (the rank-0 one or another) killed or frozen; returns (that
+    node, the survivors, when) once the survivors step in a world of 2."""
+    victim = by_rank(three, rank0)
+    survivors = [n for n in three if n is not victim]
+    since = time.time()
+    if sig == signal.SIGKILL:
+        victim.kill()
+    else:
+        victim.signal_tree(sig)
+    wait_for(lambda: stepping_at(survivors, 2, since), within_s, "a world of 2", everyone)
+    return victim, survivors, since
+
+
+def resumed_where_it_stopped(node: DaemonNode, since: float) -> dict:
+    """One torchrun restart after ``since``, which resumed at the last step completed
+    before it (the world of 3 may itself have formed through a restart at start-up);
+    returns its ``resumed`` record."""
+    progress = progress_records(node)
+    (resumed,) = [r for r in progress if r["event"] == "resumed" and r["time"] > since]
+    done_before = max(r["step"] for r in progress if r["time"] < resumed["time"]
+                      and r["event"] in ("step", "checkpoint"))
+    assert resumed["step"] == done_before, "the restart lost steps"
+    return resumed
