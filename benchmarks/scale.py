@@ -10,6 +10,8 @@ node that is killed. Systems:
     elasticd  a real Daemon per node (membership, probes, eviction, journal) with its
               torchrun agent on the etcd3 plugin, the command line the daemon builds
     etcd3     the same agents without daemons (plain torchrun on the plugin)
+    etcd3-poll  the same with torch's own 1 s poll while a round forms, instead of the
+              plugin's watch-woken poll (handler.py): what that change does at scale
     c10d      the agents on torch's c10d rendezvous, tuned as in benchmarks/mttr.py
               (last_call 1 s, keep-alive 1 s x 2, monitor 0.1 s), the store in its own
               process (a dedicated store host: no node's crash takes it down here)
@@ -64,9 +66,11 @@ from benchmarks.scale_node import node_config
 from elasticd import proctree
 from elasticd.agent import torchrun_command
 from elasticd.embedded_etcd import EmbeddedEtcd, free_port
+from elasticd.etcd_client import EtcdClient, EtcdSettings
+from elasticd.rendezvous.keys import JobKeys
 
 REPO = Path(__file__).resolve().parents[1]
-SYSTEMS = ("elasticd", "etcd3", "c10d")
+SYSTEMS = ("elasticd", "etcd3", "etcd3-poll", "c10d")
 MONITOR_INTERVAL_S = 0.1
 # The delay between a node's death and its peers' collective failing (gloo, measured
 # ~0.1 s in benchmarks/mttr.py).
@@ -232,7 +236,7 @@ class Cell:
             node: dict[str, Any] = {"id": f"n{i:04d}", "addr": addr}
             if self.system == "c10d":
                 node["command"] = c10d_command(self.job, store, addr, self.n)
-            elif self.system == "etcd3":
+            elif self.system.startswith("etcd3"):
                 node["command"] = torchrun_command(
                     node_config(self.base_spec(store), node), 1)
             specs.append(node)
@@ -240,6 +244,7 @@ class Cell:
 
     def base_spec(self, store: str) -> dict[str, Any]:
         return {"system": self.system, "job": self.job, "etcd": store,
+                "torch_poll": self.system == "etcd3-poll",
                 "min_nodes": min_nodes(self.n), "max_nodes": self.n,
                 "run_dir": str(self.work / "nodes"), "log_level": "INFO"}
 
@@ -355,6 +360,15 @@ class Cell:
         return Snapshot(time.time(), etcd, cpu, etcd_cpu,
                         {p.index: dict(p.counters) for p in self.packs}, loadavg())
 
+    def rdzv_state_bytes(self) -> int | None:
+        """The size of torch's pickled rendezvous state: what every heartbeat rewrites."""
+        client = EtcdClient(EtcdSettings(endpoints=(self.etcd_endpoint,), retry_s=5.0))
+        try:
+            kv = client.get(JobKeys(self.job).rdzv_state)
+        finally:
+            client.close()
+        return None if kv is None else len(kv.value)
+
     # -- the measurement -------------------------------------------------------------------------
 
     def run(self, form_timeout_s: float, reform_timeout_s: float, settle_s: float,
@@ -395,6 +409,11 @@ class Cell:
         end = self.snapshot()
         out["steady"] = rates(start, end, self.n, self.packs)
         out["steady"]["state"] = state_figures(end.etcd)
+        if start.etcd and end.etcd:
+            grew = (state_figures(end.etcd).get("db_bytes") or 0) - (
+                state_figures(start.etcd).get("db_bytes") or 0)
+            out["steady"]["db_growth_bytes_per_s"] = grew / max(end.t - start.t, 1e-6)
+            out["steady"]["rdzv_state_bytes"] = self.rdzv_state_bytes()
         if not formed:
             out["reform"] = {"reformed": False, "skipped": "the first world did not form"}
             return out
@@ -416,6 +435,10 @@ class Cell:
             if reformed else None,
             "first_survivor_s": round(min((w["t"] for w in self.worlds if w["t"] > t_kill),
                                           default=math.nan) - t_kill, 3),
+            "largest_world": max((w["world_size"] for w in self.worlds if w["t"] > t_kill),
+                                 default=0),
+            "rounds": sorted({w["round"] for w in self.worlds
+                              if w["t"] > t_kill and w["round"] is not None}),
             "window": rates(end, done, self.n - 1, self.packs),
         }
         self.log(f"  {self.system} N={self.n}: " + (
@@ -442,8 +465,12 @@ def rates(a: Snapshot, b: Snapshot, nodes: int, packs: list[Pack]) -> dict[str, 
     out["cpu_per_node"] = cpu / dt / nodes              # cores (CPU-seconds per second)
     out["cpu_all_nodes"] = cpu / dt
     out["store_cpu"] = (b.etcd_cpu_s - a.etcd_cpu_s) / dt
+    # The packed nodes and their store used (nearly) every core: times are then the
+    # machine's, rates lower bounds.
+    out["saturated"] = out["cpu_all_nodes"] + out["store_cpu"] >= 0.85 * (os.cpu_count() or 1)
     calls = _delta_counts(a, b, "calls")
     probes = _delta_counts(a, b, "probes")
+    out["client_counts"] = calls
     out["client_calls_per_node_s"] = sum(calls.values()) / dt / nodes
     out["client_calls_by_kind"] = {k: round(v / dt / nodes, 4) for k, v in sorted(calls.items())}
     out["probes_per_node_s"] = sum(probes.values()) / dt / nodes
@@ -471,6 +498,7 @@ def rates(a: Snapshot, b: Snapshot, nodes: int, packs: list[Pack]) -> dict[str, 
         out["etcd_wal_fsync_mean_ms"] = (
             1000 * d("etcd_disk_wal_fsync_duration_seconds_sum") / fsyncs if fsyncs else None)
         out["etcd_requests"] = sum(by_method.values()) * dt * nodes
+        out["etcd_counts"] = {m: v * dt * nodes for m, v in by_method.items() if v}
     return out
 
 

@@ -11,7 +11,7 @@ of it the project's (and torch's) own code:
   the exact command line the daemon starts (``agent.torchrun_command``, parsed by
   torchrun's ``parse_args``/``config_from_args``; the handler from torch's registry,
   i.e. the plugin's factory), with stand-in workers instead of processes;
-* ``etcd3`` / ``c10d``: that agent alone, from a torchrun command line the harness
+* ``etcd3`` / ``etcd3-poll`` / ``c10d``: that agent alone, from a torchrun command line the harness
   gives (plain torchrun on the etcd3 plugin, or on torch's c10d store).
 
 What is not simulated (node-local, no cross-node cost): worker processes (stand-ins
@@ -325,7 +325,10 @@ def main() -> None:
     patch_node_local_parts()
     import torch.distributed.run  # noqa: F401  (imported before "ready": not in the timings)
 
-    from elasticd.rendezvous.handler import create_handler  # noqa: F401
+    from elasticd.rendezvous import handler
+    if spec.get("torch_poll"):
+        # torch's own 1 s poll between syncs while a round forms (what handler.py replaces).
+        handler.dyn._delay = handler._TORCH_DELAY
     emit(ev="ready", pid=os.getpid(), nodes=len(spec["nodes"]))
     handles: dict[str, Any] = {}
     for line in sys.stdin:
