@@ -1,4 +1,5 @@
-"""The replay oracle: a run's logged per-step world sizes and LRs, replayed on one process.
+"""The replay oracles of the tests: the MLP example's (``elasticd.chaos.oracle``, re-exported
+here) and the drop-in loop's (``replay_dropin``, with its exactly-once check).
 
 Every step of the MLP example is one SGD update on the step's whole global batch (the
 loop averages over it exactly, whatever the split), so a fault-free single-process
@@ -10,81 +11,17 @@ matches also used every sample exactly once per epoch.
 from __future__ import annotations
 
 from argparse import Namespace
-from collections.abc import Iterable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+# The MLP replay lives with the chaos harness (which must not import tests/); one definition.
+from elasticd.chaos.oracle import Run, lineage, max_rel_diff, replay, step_history
 from trainer.distributed_sampler import stream_indices
-from trainer.examples import mlp, regression
-from trainer.sampler import epoch_permutation
+from trainer.examples import regression
 
-
-@dataclass(frozen=True)
-class Run:
-    """The example's settings that the replay needs (what the script was given)."""
-
-    samples: int
-    batch: int
-    lr: float
-    seed: int
-    data_seed: int
-    momentum: float
-
-    def args(self) -> list[str]:
-        return ["--dtype=float64", f"--samples={self.samples}", f"--batch-size={self.batch}",
-                f"--lr={self.lr}", f"--seed={self.seed}", f"--data-seed={self.data_seed}",
-                f"--momentum={self.momentum}"]
-
-
-def lineage(records: Iterable[dict]) -> dict[int, dict]:
-    """Step -> the progress record of each step that counts: a resume discards later steps.
-
-    ``records``: progress records of the rank-0 lineage in the order they were written.
-    """
-    history: dict[int, dict] = {}
-    for rec in records:
-        if rec["event"] == "resumed":
-            history = {s: v for s, v in history.items() if s <= rec["step"]}
-        elif rec["event"] in ("step", "checkpoint"):
-            history[rec["step"]] = rec
-    return history
-
-
-def step_history(records: Iterable[dict]) -> dict[int, tuple[int, float]]:
-    """Step -> (world size, LR) of the steps that count (see ``lineage``)."""
-    return {s: (rec["world_size"], rec["lr"]) for s, rec in lineage(records).items()}
-
-
-def replay(run: Run, history: dict[int, tuple[int, float]]) -> dict[str, torch.Tensor]:
-    """One process, plain torch: each step is one update on the world's whole global batch."""
-    torch.manual_seed(run.seed)
-    x, y = mlp.make_data(run.samples, run.data_seed, torch.float64)
-    model = mlp.make_model(torch.float64)
-    opt = torch.optim.SGD(model.parameters(), lr=run.lr, momentum=run.momentum)
-    epoch, cursor = 0, 0
-    for step in range(1, max(history) + 1):
-        world, lr = history[step]
-        perm = epoch_permutation(run.seed, epoch, run.samples)
-        idx = perm[cursor : cursor + world * run.batch]
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
-        for group in opt.param_groups:
-            group["lr"] = lr
-        opt.step()
-        cursor += len(idx)
-        if cursor == run.samples:
-            epoch, cursor = epoch + 1, 0
-    return model.state_dict()
-
-
-def max_rel_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    worst = 0.0
-    for name, ref in want.items():
-        diff = (got[name] - ref).abs() / ref.abs().clamp_min(1e-12)
-        worst = max(worst, float(diff.max()))
-    return worst
+__all__ = ["Run", "consumed_exactly_once", "lineage", "max_rel_diff", "rank_shares", "replay",
+           "replay_dropin", "step_history"]
 
 
 def rank_shares(seed: int, length: int, start: int, end: int, world: int) -> list[np.ndarray]:

@@ -1,0 +1,361 @@
+"""Fault injectors: one class per fault, each with ``inject`` and ``heal``, and the registry.
+
+An injector acts on a live local cluster (``Target``: the cluster's nodes, its etcd and
+checkpoint directory) and returns what it did, for the report. ``inject`` is the fault
+itself; ``heal`` brings the victim back (restarts a killed node, continues a stopped one)
+or does nothing where the system must recover on its own (a killed worker, agent or
+checkpoint writer). Every injector only signals processes of the cluster it was given or
+edits files under its root: nothing outside the test's own tree is touched.
+
+Process roles inside one node's tree (``python -m elasticd run`` at the root):
+
+* the **agent**: ``python -m torch.distributed.run ...``;
+* the **warm server**: ``python -m elasticd.warmstart --serve ...`` (the daemon's child),
+  whose forked children are the real workers when warm starts are on;
+* a **client**: ``python -m elasticd.warmstart SOCKET SCRIPT ...``, torchrun's idea of a
+  worker (it mirrors the forked one), or, cold, the script itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import psutil
+
+from checkpointing import layout
+from checkpointing.manifest import Manifest
+from elasticd.embedded_etcd import EmbeddedEtcd
+from elasticd.local_cluster import DaemonNode
+
+Detail = dict[str, Any]
+
+
+class InjectionError(RuntimeError):
+    """The fault could not be injected as asked (no such process, no checkpoint yet ...)."""
+
+
+@dataclass
+class Target:
+    """What injectors act on: the cluster's nodes by name, its etcd, its checkpoints."""
+
+    nodes: dict[str, DaemonNode]
+    etcd: EmbeddedEtcd
+    ckpt_dir: Path
+    lease_ttl_s: float = 5.0
+    # Checkpoint files this run damaged on purpose: path -> step (the invariants exempt
+    # them from "every committed checkpoint verifies" and forbid loading them).
+    corrupted: dict[str, int] = field(default_factory=dict)
+
+    def running(self) -> list[DaemonNode]:
+        return [n for n in self.nodes.values() if n.running()]
+
+    def rank0(self) -> DaemonNode | None:
+        """The running node whose workers hold rank 0 now (its progress file says)."""
+        return next((n for n in self.running() if (n.progress() or {}).get("rank") == 0), None)
+
+
+# -- processes of a node ----------------------------------------------------------------------
+
+def _cmdline(proc: psutil.Process) -> list[str]:
+    try:
+        return proc.cmdline()
+    except psutil.Error:
+        return []
+
+
+def agent_of(node: DaemonNode) -> psutil.Process | None:
+    return next((p for p in node.tree()[1:] if "torch.distributed.run" in _cmdline(p)), None)
+
+
+def workers_of(node: DaemonNode) -> list[psutil.Process]:
+    """The processes that run the training loop: the warm server's forked children, or
+    cold scripts (a client is only their stand-in: killing it kills the worker by proxy)."""
+    out = []
+    for proc in node.tree()[1:]:
+        cmd = _cmdline(proc)
+        if "elasticd.warmstart" in cmd and "--serve" in cmd:
+            with contextlib.suppress(psutil.Error):
+                out.extend(proc.children())
+        elif node.script in cmd and not ({"torch.distributed.run", "elasticd.warmstart"} & set(cmd)):
+            out.append(proc)
+    return out
+
+
+def _rss(proc: psutil.Process) -> int:
+    try:
+        return proc.memory_info().rss
+    except psutil.Error:
+        return -1
+
+
+def _sigkill(proc: psutil.Process) -> Detail:
+    pid = proc.pid
+    try:
+        proc.send_signal(signal.SIGCONT)  # a stopped process keeps SIGKILL pending otherwise
+        proc.kill()
+    except psutil.Error as exc:
+        raise InjectionError(f"pid {pid} is gone: {exc}") from None
+    return {"pid": pid}
+
+
+# -- the injectors --------------------------------------------------------------------------
+
+class Injector:
+    """One fault. ``target_rule``: "node" (the scenario's target is used), "rank0"
+    (always the rank-0 node), "cluster" (no node: etcd, the biggest worker ...)."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    target_rule: ClassVar[str] = "node"
+    hold_s: ClassVar[float] = 0.0          # between inject and heal
+
+    def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
+        raise NotImplementedError
+
+    def heal(self, t: Target, victim: DaemonNode | None) -> Detail:
+        return {}
+
+
+class WorkerKill(Injector):
+    name = "worker-kill"
+    summary = "SIGKILL one training worker of the node"
+
+    def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
+        workers = workers_of(victim)
+        if not workers:
+            raise InjectionError(f"node {victim.name} has no live worker")
+        return _sigkill(workers[0])
+
+
+class OomKill(Injector):
+    name = "oom-kill"
+    summary = "SIGKILL the worker with the largest RSS in the cluster, as the kernel OOM killer does"
+    target_rule = "cluster"
+
+    def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
+        found = [(_rss(w), n.name, w) for n in t.running() for w in workers_of(n)]
+        if not found:
+            raise InjectionError("no live worker in the cluster")
+        rss, node, proc = max(found, key=lambda f: f[0])
+        return {**_sigkill(proc), "node": node, "rss_bytes": rss}
+
+
+class AgentKill(Injector):
+    name = "agent-kill"
+    summary = "SIGKILL the node's torchrun agent (the daemon and the workers stay)"
+
+    def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
+        agent = agent_of(victim)
+        if agent is None:
+            raise InjectionError(f"node {victim.name} has no live agent")
+        return _sigkill(agent)
+
+
+class DaemonKill(Injector):
+    name = "daemon-kill"
+    summary = "SIGKILL the daemon alone, its agent and workers still running; restart it"
+    hold_s = 2.0
+
+    def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
+        below = len(victim.tree()) - 1
+        detail = _sigkill(psutil.Process(victim.proc.pid))
+        victim.proc.wait()
+        return {**detail, "processes_below": below}
+
+    def heal(self, t: Target, victim: DaemonNode | None) -> Detail:
+        victim.start()
+        return {"restarted": True}
+
+
+class NodeKill(Injector):
+    name = "node-kill"
+    summary = "SIGKILL the whole node (daemon, agent, workers) at once; restart it"
+    hold_s = 2.0
+
+    def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
+        victim.kill()
+        return {}
+
+    def heal(self, t: Target, victim: DaemonNode | None) -> Detail:
+        victim.start()
+        return {"restarted": True}
+
+
+class Rank0NodeKill(NodeKill):
+    name = "rank0-node-kill"
+    summary = "SIGKILL the whole node holding rank 0 (the checkpoint writer); restart it"
+    target_rule = "rank0"
+
+
+class NodeStop(Injector):
+    name = "node-stop"
+    summary = "SIGSTOP the whole node (silent) for longer than its lease; then SIGCONT"
+
+    def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
+        victim.signal_tree(signal.SIGSTOP)
+        return {"stopped_s": self.stopped_s(t)}
+
+    @staticmethod
+    def stopped_s(t: Target) -> float:
+        return t.lease_ttl_s + 3.0   # the lease expires; its peers cut it loose
+
+    def heal(self, t: Target, victim: DaemonNode | None) -> Detail:
+        time.sleep(self.stopped_s(t))
+        victim.signal_tree(signal.SIGCONT)
+        return {"continued": True}
+
+
+class Drain(Injector):
+    name = "drain"
+    summary = "SIGTERM the daemon (a drain: checkpoint at an agreed step, leave); restart it"
+
+    def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
+        victim.proc.send_signal(signal.SIGTERM)
+        return {}
+
+    def heal(self, t: Target, victim: DaemonNode | None) -> Detail:
+        try:
+            code = victim.proc.wait(timeout=90)
+        except Exception:  # noqa: BLE001 - a drain that hangs is the finding; kill and go on
+            victim.kill()
+            code = None
+        victim.start()
+        return {"drain_exit_code": code, "restarted": True}
+
+
+class EtcdRestart(Injector):
+    name = "etcd-restart"
+    summary = "SIGKILL the (single) etcd member, restart it 3 s later with its data"
+    target_rule = "cluster"
+    hold_s = 3.0
+
+    def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
+        t.etcd.kill()
+        return {}
+
+    def heal(self, t: Target, victim: DaemonNode | None) -> Detail:
+        t.etcd.start()
+        return {"restarted": True}
+
+
+def newest_committed(ckpt_dir: Path) -> tuple[int, Path] | None:
+    """The newest step directory with a valid manifest, and its data file."""
+    for step, name in sorted(((layout.parse_step_dir(d.name), d.name) for d in ckpt_dir.iterdir()
+                              if layout.parse_step_dir(d.name) is not None), reverse=True):
+        manifest = ckpt_dir / name / layout.MANIFEST_NAME
+        try:
+            parsed = Manifest.from_json(manifest.read_bytes(), str(manifest))
+        except (OSError, ValueError, Exception):  # noqa: BLE001 - not committed (yet): older
+            continue
+        (file_name,) = parsed.files
+        return step, ckpt_dir / name / file_name
+    return None
+
+
+def flip_tensor_bytes(path: Path, count: int = 8) -> int:
+    """Flip ``count`` bytes in the middle of the largest stored entry of a torch.save zip
+    (a tensor's storage): the file still loads, with a wrong value, unless it is verified.
+    Returns the offset of the first flipped byte."""
+    with zipfile.ZipFile(path) as zf:
+        info = max(zf.infolist(), key=lambda i: i.file_size)
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+        start = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+        f.seek(start)
+        data = f.read(count)
+        f.seek(start)
+        f.write(bytes(b ^ 0xFF for b in data))
+        f.flush()
+        os.fsync(f.fileno())
+    return start
+
+
+def corrupt_newest(t: Target) -> Detail:
+    """Damage the newest committed checkpoint in place (its manifest still claims it)."""
+    found = newest_committed(t.ckpt_dir)
+    if found is None:
+        raise InjectionError(f"no committed checkpoint in {t.ckpt_dir} yet")
+    step, path = found
+    offset = flip_tensor_bytes(path)
+    t.corrupted[str(path)] = step
+    return {"step": step, "file": path.name, "offset": offset}
+
+
+class CheckpointCorrupt(Injector):
+    """The newest committed checkpoint damaged under the live job, then a worker of the
+    rank-0 node killed so that the job has to load a checkpoint again (an in-place
+    recovery would load none): the load must skip the damaged one."""
+
+    name = "checkpoint-corrupt"
+    summary = "flip bytes in the newest committed checkpoint's tensors, then SIGKILL a rank-0 worker"
+    target_rule = "rank0"
+
+    def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
+        detail = corrupt_newest(t)
+        workers = workers_of(victim)
+        if workers:
+            detail |= {"then_killed": _sigkill(workers[0])["pid"]}
+        return detail
+
+
+def _wait_for_line(path: Path, needle: bytes, timeout_s: float) -> bool:
+    """Poll ``path`` every millisecond for a new line containing ``needle`` (from its
+    current end): a checkpoint write of the example takes a few ms."""
+    start = path.stat().st_size if path.exists() else 0
+    deadline = time.monotonic() + timeout_s
+    tail = b""
+    with open(path, "rb") as f:
+        f.seek(start)
+        while time.monotonic() < deadline:
+            tail = (tail + f.read())[-4096:]
+            if needle in tail:
+                return True
+            time.sleep(0.001)
+    return False
+
+
+def _writes_in_flight(ckpt_dir: Path) -> list[str]:
+    """Temp files and manifest-less step directories: a write that had not committed."""
+    found = []
+    for d in ckpt_dir.iterdir() if ckpt_dir.exists() else []:
+        if layout.parse_step_dir(d.name) is None:
+            continue
+        found += [f"{d.name}/{f.name}" for f in d.iterdir() if layout.is_temp(f.name)]
+        if not (d / layout.MANIFEST_NAME).exists():
+            found.append(f"{d.name}/ (no manifest)")
+    return found
+
+
+class CheckpointWriteKill(Injector):
+    """SIGKILL the rank-0 worker the moment it logs ``checkpoint started`` (the write
+    runs in the background): the half-written checkpoint must never count."""
+
+    name = "checkpoint-write-kill"
+    summary = "SIGKILL the rank-0 worker as it starts writing a checkpoint"
+    target_rule = "rank0"
+
+    def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
+        workers = workers_of(victim)
+        if not workers:
+            raise InjectionError(f"node {victim.name} has no live worker")
+        log = victim.worker_logs()[0]
+        if not _wait_for_line(log, b"checkpoint started", timeout_s=60):
+            raise InjectionError(f"no checkpoint started on {victim.name} within 60 s")
+        detail = _sigkill(workers[0]) | {"t_fired": time.time()}
+        # What the kill caught (a write not yet committed), for the report.
+        return {**detail, "in_flight": _writes_in_flight(t.ckpt_dir)}
+
+
+INJECTORS: dict[str, type[Injector]] = {cls.name: cls for cls in (
+    WorkerKill, OomKill, AgentKill, DaemonKill, NodeKill, Rank0NodeKill, NodeStop, Drain,
+    EtcdRestart, CheckpointCorrupt, CheckpointWriteKill)}
+
+

@@ -1,0 +1,302 @@
+"""The invariants checked after every scenario, each a named pass/fail with its detail.
+
+All of them read what the run left behind (``RunResult``: the workers' progress records,
+the checkpoint directory, the exit codes, the processes still alive) and nothing else,
+so each can also be fed a tampered history to show it fails (tests/chaos/test_bite.py).
+
+* ``faults-recovered``  every planned fault fired and the job was back to a world of N;
+* ``job-completed``     every daemon exited 0 by itself (the job reached its last step);
+* ``steps-contiguous``  the rank-0 lineage holds every step 1..final exactly once;
+* ``replay-oracle``     the final checkpoint's parameters equal a single-process replay of
+                        the logged (world size, LR) per step, float64, within 1e-9;
+* ``samples-exactly-once``  the sampler state the run saved (epoch, cursor) is the
+                        replay's: with the oracle's match, every sample once per epoch;
+* ``checkpoints-intact`` every committed checkpoint left verifies (sha256), but those the
+                        run damaged on purpose, and the newest is the final step;
+* ``no-corrupt-load``   no resume loaded a checkpoint while it was damaged;
+* ``recovery-bounded``  per fault: recovery time and steps lost (0 for a drain, at most
+                        two checkpoint intervals otherwise);
+* ``no-process-left``   nothing the run started is alive once its cluster stopped.
+
+A failed check names the fault it is attributed to where one can be (the seed that
+replays the scenario is in the report's header).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from checkpointing import CheckpointManager, layout
+from checkpointing.errors import CorruptCheckpointError
+from checkpointing.reader import load_verified, read_manifest
+from checkpointing.storage import LocalStorage
+from elasticd.chaos.oracle import lineage, max_rel_diff, replay_run
+
+if TYPE_CHECKING:
+    from elasticd.chaos.run import FaultRecord, RunResult
+
+TOLERANCE = 1e-9
+STALL_S = 1.0   # a gap between two steps longer than this is an interruption (steps: ~0.07 s)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    passed: bool
+    detail: str
+    fault: str | None = None    # "#<index> <kind>" the failure is attributed to
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class FaultMetrics:
+    """One fault's cost, from the rank-0 lineage's progress records."""
+
+    index: int
+    kind: str
+    recovery_s: float | None     # fault -> first step after the interruption (0: none)
+    back_to_full_s: float | None  # fault -> every node stepping in a world of N again
+    steps_lost: int | None       # steps done before a restart that it redid
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _label(f: FaultRecord) -> str:
+    return f"#{f.index} {f.kind}"
+
+
+def rank0_records(progress: dict[str, list[dict]]) -> list[dict]:
+    """The progress records written by rank 0 (whichever node held it), in time order."""
+    return sorted((r for recs in progress.values() for r in recs if r.get("rank") == 0),
+                  key=lambda r: r["time"])
+
+
+def _steps(records: Iterable[dict]) -> list[dict]:
+    return [r for r in records if r["event"] in ("step", "checkpoint")]
+
+
+def recovery_s(records: list[dict], t_fault: float, t_until: float) -> float | None:
+    """Fault -> the first step that ends the first interruption (a gap > STALL_S) after
+    it, before ``t_until``; 0.0 when the steps never stopped; None if none came."""
+    steps = _steps(records)
+    before = [r["time"] for r in steps if r["time"] <= t_fault]
+    after = [r["time"] for r in steps if t_fault < r["time"] < t_until]
+    if not after:
+        return None
+    previous = before[-1] if before else t_fault
+    for t in after:
+        if t - previous > STALL_S:
+            return t - t_fault
+        previous = t
+    return 0.0
+
+
+def steps_lost(records: list[dict], t_fault: float, t_until: float) -> int:
+    """Steps redone after each resume in [t_fault, t_until): the last step completed before
+    the resume minus the step it resumed from."""
+    lost = 0
+    last_step = None
+    for r in records:
+        if r["event"] in ("step", "checkpoint"):
+            last_step = r["step"]
+        elif r["event"] == "resumed" and t_fault <= r["time"] < t_until and last_step is not None:
+            lost += max(0, last_step - r["step"])
+    return lost
+
+
+def fault_metrics(result: RunResult) -> list[FaultMetrics]:
+    records = rank0_records(result.progress)
+    fired = [f for f in result.faults if f.t_inject is not None]
+    out = []
+    for i, f in enumerate(fired):
+        until = fired[i + 1].t_inject if i + 1 < len(fired) else result.t_end
+        back = f.t_recovered - f.t_inject if f.t_recovered else None
+        out.append(FaultMetrics(f.index, f.kind, _round(recovery_s(records, f.t_inject, until)),
+                                _round(back), steps_lost(records, f.t_inject, until)))
+    return out
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 2)
+
+
+def _attribute(result: RunResult, when: float | None) -> str | None:
+    """The last fault injected before ``when`` (the one a failure at that time follows)."""
+    if when is None:
+        return None
+    before = [f for f in result.faults if f.t_inject is not None and f.t_inject <= when]
+    return _label(before[-1]) if before else None
+
+
+# -- the checks -------------------------------------------------------------------------------
+
+def check_faults(result: RunResult) -> Check:
+    bad = [f for f in result.faults if f.error]
+    if bad or len(result.faults) != len(result.scenario.faults):
+        first = bad[0] if bad else None
+        return Check("faults-recovered", False, "; ".join(f"{_label(f)}: {f.error}" for f in bad)
+                     or "not every fault was run", _label(first) if first else None)
+    return Check("faults-recovered", True, f"{len(result.faults)} faults fired, each recovered "
+                 f"to a world of {result.scenario.nodes}")
+
+
+def check_completed(result: RunResult) -> Check:
+    ok = result.error is None and all(c == 0 for c in result.exit_codes.values())
+    detail = f"exit codes {result.exit_codes}" + (f"; {result.error}" if result.error else "")
+    return Check("job-completed", ok, detail)
+
+
+def check_contiguous(result: RunResult, history: dict[int, dict]) -> Check:
+    final = result.scenario.final_step
+    missing = [s for s in range(1, final + 1) if s not in history]
+    extra = sorted(s for s in history if not 1 <= s <= final)
+    if missing or extra:
+        # The time of the step before the first gap: the fault that cost it came before.
+        before = history.get(missing[0] - 1) if missing else None
+        return Check("steps-contiguous", False,
+                     f"{len(missing)} step(s) missing (first {missing[:5]}), beyond the end {extra[:5]}",
+                     _attribute(result, before["time"] if before else None))
+    return Check("steps-contiguous", True, f"steps 1..{final}, each once in the rank-0 lineage")
+
+
+def _final_state(result: RunResult) -> tuple[int, dict] | str:
+    try:
+        loaded = CheckpointManager(result.ckpt_dir, read_only=True).load_latest()
+    except Exception as exc:  # noqa: BLE001 - an unreadable directory is the finding
+        return f"checkpoints unreadable: {exc}"
+    if loaded is None:
+        return "no checkpoint verifies"
+    return loaded.step, loaded.state
+
+
+def check_oracle(result: RunResult, history: dict[int, dict]) -> list[Check]:
+    """``replay-oracle`` and ``samples-exactly-once`` (both need the replay)."""
+    final = _final_state(result)
+    if isinstance(final, str):
+        return [Check("replay-oracle", False, final), Check("samples-exactly-once", False, final)]
+    step, state = final
+    try:
+        hist = {s: (history[s]["world_size"], history[s]["lr"]) for s in range(1, step + 1)}
+    except KeyError as exc:
+        why = f"step {exc} is missing from the lineage: nothing to replay"
+        return [Check("replay-oracle", False, why), Check("samples-exactly-once", False, why)]
+    replayed = replay_run(result.run, hist)
+    rel = max_rel_diff(state["model"], replayed.params)
+    ok = rel < TOLERANCE
+    oracle = Check("replay-oracle", ok, f"max relative difference {rel:.3e} over {step} steps "
+                   f"(tolerance {TOLERANCE:g})", None if ok else _first_divergence(result, history))
+    saved = state.get("sampler", {})
+    got = (saved.get("epoch"), saved.get("cursor"))
+    want = (replayed.epoch, replayed.cursor)
+    once = Check("samples-exactly-once", got == want and ok,
+                 f"saved sampler (epoch, cursor) {got}, replay {want}"
+                 + ("" if ok else "; the oracle failed: the data order is not shown"))
+    return [oracle, once]
+
+
+def _first_divergence(result: RunResult, history: dict[int, dict]) -> str | None:
+    """The fault before the oldest retained checkpoint that no longer matches the replay."""
+    storage = LocalStorage(result.ckpt_dir)
+    for step in sorted(_committed(storage)):
+        if any(s not in history for s in range(1, step + 1)):
+            continue
+        try:
+            loaded = load_verified(storage, layout.step_dir(step), step, "cpu")
+        except CorruptCheckpointError:
+            continue
+        hist = {s: (history[s]["world_size"], history[s]["lr"]) for s in range(1, step + 1)}
+        if max_rel_diff(loaded.state["model"], replay_run(result.run, hist).params) >= TOLERANCE:
+            return _attribute(result, history[step]["time"])
+    return None
+
+
+def _committed(storage: LocalStorage) -> list[int]:
+    steps = []
+    for name in storage.listdir():
+        step = layout.parse_step_dir(name)
+        if step is None:
+            continue
+        try:
+            read_manifest(storage, name, step)
+        except CorruptCheckpointError:
+            continue
+        steps.append(step)
+    return steps
+
+
+def check_checkpoints(result: RunResult) -> Check:
+    storage = LocalStorage(result.ckpt_dir)
+    steps = sorted(_committed(storage))
+    bad, exempt = [], []
+    for step in steps:
+        try:
+            load_verified(storage, layout.step_dir(step), step, "cpu")
+        except CorruptCheckpointError as exc:
+            (exempt if exc.path in result.corrupted or any(
+                exc.path.endswith(p) for p in result.corrupted) else bad).append(f"{step}: {exc.reason}")
+    final = result.scenario.final_step
+    ok = not bad and bool(steps) and steps[-1] == final
+    detail = (f"committed {steps}; damaged by the run itself (exempt): {exempt or 'none'}; "
+              f"corrupt: {bad or 'none'}; newest {'is' if steps and steps[-1] == final else 'is not'} "
+              f"the final step {final}")
+    return Check("checkpoints-intact", ok, detail)
+
+
+def corrupt_loads(result: RunResult) -> list[str]:
+    """Each resume that loaded a step while the run had it damaged: after the damage and
+    before that step was committed again."""
+    damaged = [(f.detail["step"], f.t_inject, f) for f in result.faults
+               if f.kind == "checkpoint-corrupt" and f.t_inject is not None and "step" in f.detail]
+    every = sorted((r for recs in result.progress.values() for r in recs), key=lambda r: r["time"])
+    found = []
+    for step, t_damaged, fault in damaged:
+        recommitted = min((r["time"] for r in every if r["event"] == "checkpoint"
+                           and r["step"] == step and r["time"] > t_damaged), default=float("inf"))
+        found += [f"{_label(fault)}: rank {r['rank']} resumed from damaged step {step}"
+                  for r in every if r["event"] == "resumed" and r["step"] == step
+                  and t_damaged < r["time"] < recommitted]
+    return found
+
+
+def check_corrupt_loads(result: RunResult) -> Check:
+    found = corrupt_loads(result)
+    damaged = sorted(set(result.corrupted.values()))
+    if found:
+        return Check("no-corrupt-load", False, "; ".join(found), found[0].split(":")[0])
+    return Check("no-corrupt-load", True, f"damaged steps {damaged or 'none'}; no resume loaded one")
+
+
+def check_recovery(result: RunResult, metrics: list[FaultMetrics]) -> Check:
+    bound = 2 * result.scenario.every_steps
+    bad = []
+    for m in metrics:
+        limit = 0 if m.kind == "drain" else bound
+        if m.back_to_full_s is None or m.steps_lost is None or m.steps_lost > limit:
+            bad.append((m, f"#{m.index} {m.kind}: back to full {m.back_to_full_s} s, "
+                           f"{m.steps_lost} steps lost (at most {limit})"))
+    rows = ", ".join(f"#{m.index} {m.kind} {m.recovery_s} s/{m.steps_lost} lost" for m in metrics)
+    if bad:
+        return Check("recovery-bounded", False, "; ".join(b for _, b in bad),
+                     f"#{bad[0][0].index} {bad[0][0].kind}")
+    return Check("recovery-bounded", True, rows or "no fault fired")
+
+
+def check_processes(result: RunResult) -> Check:
+    if result.leftover:
+        return Check("no-process-left", False, f"alive after the cluster stopped: {result.leftover}")
+    return Check("no-process-left", True, "none of the run's processes is alive")
+
+
+def check_all(result: RunResult) -> tuple[list[Check], list[FaultMetrics]]:
+    """Every invariant, in the report's order, and the per-fault metrics."""
+    history = lineage(rank0_records(result.progress))
+    metrics = fault_metrics(result)
+    checks = [check_faults(result), check_completed(result), check_contiguous(result, history),
+              *check_oracle(result, history), check_checkpoints(result), check_corrupt_loads(result),
+              check_recovery(result, metrics), check_processes(result)]
+    return checks, metrics

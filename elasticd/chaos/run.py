@@ -1,0 +1,238 @@
+"""The chaos runner: a local cluster, the job, the scenario's faults at their moments, the end.
+
+One run, in states::
+
+    forming    N daemons started (elasticd.local_cluster), waiting for a world of N
+    faulting   per fault: wait for its step/time -> inject -> hold -> heal -> recovered
+               (every node stepping in a world of N again) or not (the run goes on to
+               the end without the remaining faults: they are reported as not fired)
+    finishing  every daemon exits by itself once the job reaches its final step
+    stopped    the cluster is killed whole (local_cluster's exit); leftovers are counted
+    checked    the invariants (elasticd.chaos.invariants) read the logs and checkpoints
+
+The job is ``trainer/examples/mlp.py`` in float64 with every step logged, so that the
+replay oracle can recompute it.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elasticd import proctree
+from elasticd.chaos.faults import INJECTORS, Detail, InjectionError, Injector, Target
+from elasticd.chaos.oracle import Run
+from elasticd.chaos.scenario import FaultSpec, Scenario
+from elasticd.local_cluster import MLP, Cluster, DaemonNode, _identity, describe, local_cluster, stepping_at
+
+# The job the oracle replays: small enough that a step costs ~nothing beyond its sleep.
+RUN = Run(samples=300, batch=4, lr=0.05, seed=7, data_seed=11, momentum=0.9)
+LEASE_TTL_S = 5
+FORM_TIMEOUT_S = 180.0
+RECOVER_TIMEOUT_S = 180.0
+Say = Callable[[str], None]
+
+
+def entrypoint(sc: Scenario, run: Run = RUN) -> list[str]:
+    return [MLP, *run.args(), f"--max-steps={sc.final_step}", f"--step-sleep={sc.step_sleep}",
+            "--log-every=1", "--lr-rule=linear", "--lr-warmup-steps=2",
+            # The LR is for the full world: with the default base (1) it would be N times
+            # larger and the run chaotic (rounding differences would then outgrow 1e-9).
+            f"--lr-base-world-size={sc.nodes}"]
+
+
+@dataclass
+class FaultRecord:
+    """What happened to one planned fault (times are Unix seconds)."""
+
+    index: int
+    kind: str
+    planned: str
+    target: str | None = None          # the node it hit (None: the cluster)
+    step: int | None = None            # the job's step when it was injected
+    t_inject: float | None = None
+    t_heal: float | None = None
+    t_recovered: float | None = None   # every node stepping in a world of N again
+    detail: Detail = field(default_factory=dict)
+    error: str | None = None           # could not be injected, or never recovered
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class RunResult:
+    scenario: Scenario
+    root: Path
+    run: Run
+    faults: list[FaultRecord]
+    t_start: float
+    t_formed: float | None
+    t_end: float
+    exit_codes: dict[str, int | None]
+    progress: dict[str, list[dict]]    # node -> its progress records, in order
+    corrupted: dict[str, int]          # checkpoint files damaged on purpose -> step
+    leftover: list[str]                # processes still alive after the cluster stopped
+    error: str | None = None
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.root / "ckpt"
+
+
+def _step_now(nodes: list[DaemonNode]) -> int:
+    return max(((n.progress() or {}).get("step", 0) for n in nodes if n.running()), default=0)
+
+
+def _due(spec: FaultSpec, nodes: list[DaemonNode], t_formed: float) -> bool:
+    if spec.at_step is not None:
+        return _step_now(nodes) >= spec.at_step
+    return time.time() >= t_formed + spec.at_s
+
+
+def resolve_target(spec: FaultSpec, injector: Injector, t: Target, rng: random.Random) -> DaemonNode | None:
+    """The node a fault hits: the scenario's target unless the injector fixes its own."""
+    if injector.target_rule == "cluster":
+        return None
+    rule = "rank0" if injector.target_rule == "rank0" else spec.target
+    running = t.running()
+    if rule == "rank0":
+        node = t.rank0()
+    elif rule == "other":
+        rank0 = t.rank0()
+        others = [n for n in running if n is not rank0]
+        node = rng.choice(others) if others else None
+    elif rule == "any":
+        node = rng.choice(running) if running else None
+    else:
+        node = t.nodes.get(rule)
+        node = node if node is not None and node.running() else None
+    if node is None:
+        raise InjectionError(f"target {rule!r}: no such running node")
+    return node
+
+
+def progress_records(node: DaemonNode) -> list[dict]:
+    """The workers' progress lines of ``node``, in order (every incarnation)."""
+    return [r for r in node.log_events() if r.get("kind") == "progress"]
+
+
+def _wait(predicate: Callable[[], bool], timeout_s: float) -> bool:
+    return proctree.wait_for(predicate, timeout_s, 0.1)
+
+
+def _one_fault(i: int, spec: FaultSpec, cluster_nodes: list[DaemonNode], t: Target,
+               rng: random.Random, say: Say) -> FaultRecord:
+    rec = FaultRecord(i, spec.kind, spec.when())
+    injector = INJECTORS[spec.kind]()
+    try:
+        victim = resolve_target(spec, injector, t, rng)
+        rec.target = victim.name if victim else None
+        rec.step = _step_now(cluster_nodes)
+        rec.t_inject = time.time()
+        rec.detail = injector.inject(t, victim)
+        if "t_fired" in rec.detail:   # an injector that waited for its moment (a log line)
+            rec.t_inject = rec.detail.pop("t_fired")
+            rec.step = _step_now(cluster_nodes)
+        time.sleep(injector.hold_s)
+        rec.detail |= injector.heal(t, victim)
+        rec.t_heal = time.time()
+    except InjectionError as exc:
+        rec.error = f"not injected: {exc}"
+        say(f"fault {i} {spec.kind}: {rec.error}")
+        return rec
+    say(f"fault {i} {spec.kind} on {rec.target or 'the cluster'} at step {rec.step}: {rec.detail}")
+    n = len(cluster_nodes)
+    if _wait(lambda: stepping_at(cluster_nodes, n, rec.t_heal), RECOVER_TIMEOUT_S):
+        rec.t_recovered = time.time()
+        say(f"  recovered: a world of {n} again after {rec.t_recovered - rec.t_inject:.1f} s")
+    else:
+        rec.error = f"no world of {n} within {RECOVER_TIMEOUT_S:.0f} s of the heal"
+        say(f"  {rec.error}")
+    return rec
+
+
+def _finish_timeout(sc: Scenario) -> float:
+    # The remaining steps at a pessimistic 4x the step's sleep, plus a restart's worth.
+    return sc.final_step * (sc.step_sleep + 0.02) * 4 + 120
+
+
+def run_scenario(sc: Scenario, root: Path, *, job: str = "chaos", run: Run = RUN,
+                 say: Say = print) -> RunResult:
+    """Run ``sc`` in ``root`` (configs, logs, checkpoints stay there) and collect what the
+    invariants need; every process started is gone when this returns."""
+    proctree.become_subreaper()   # orphaned workers re-parent here, where they are seen
+    root.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    faults: list[FaultRecord] = []
+    t_formed = None
+    error = None
+    rng = random.Random(sc.seed)
+    before = _identities()
+    with local_cluster(root) as cluster:
+        nodes = _start_nodes(cluster, sc, job, run)
+        target = Target({n.name: n for n in nodes}, cluster.etcd, root / "ckpt", LEASE_TTL_S)
+        say(f"scenario {sc.name or sc.seed}: {sc.nodes} nodes, {len(sc.faults)} faults, "
+            f"final step {sc.final_step}, root {root}")
+        if _wait(lambda: stepping_at(nodes, sc.nodes, 0) and _step_now(nodes) >= 5, FORM_TIMEOUT_S):
+            t_formed = time.time()
+            say(f"a world of {sc.nodes} at step {_step_now(nodes)}")
+            error = _fault_loop(sc, nodes, target, rng, t_formed, faults, say)
+            codes = _finish(nodes, sc, say)
+        else:
+            error = f"no world of {sc.nodes} within {FORM_TIMEOUT_S:.0f} s"
+            codes = {n.name: n.proc.poll() if n.proc else None for n in nodes}
+        progress = {n.name: progress_records(n) for n in nodes}
+    proctree.reap_children()
+    left = [*cluster.leftover, *(describe(p) for p in proctree.descendants()
+                                 if _identity(p) not in before)]
+    return RunResult(sc, root, run, faults, t_start, t_formed, time.time(), codes, progress,
+                     dict(target.corrupted), left, error)
+
+
+def _identities() -> set[tuple[int, float]]:
+    return {i for p in proctree.descendants() if (i := _identity(p))}
+
+
+def _start_nodes(cluster: Cluster, sc: Scenario, job: str, run: Run) -> list[DaemonNode]:
+    # min_nodes N-1: a node away for a fault must not block the others' rendezvous; the
+    # runner waits for the first world of N before any fault.
+    return [cluster.daemon(name, job, entrypoint=entrypoint(sc, run), every_steps=sc.every_steps,
+                           min_nodes=max(1, sc.nodes - 1), max_nodes=sc.nodes,
+                           lease_ttl_s=LEASE_TTL_S)
+            for name in sc.node_names()]
+
+
+def _fault_loop(sc: Scenario, nodes: list[DaemonNode], target: Target, rng: random.Random,
+                t_formed: float, faults: list[FaultRecord], say: Say) -> str | None:
+    for i, spec in enumerate(sc.faults):
+        _wait(lambda spec=spec: _due(spec, nodes, t_formed) or _ended(nodes), _finish_timeout(sc))
+        if _ended(nodes):
+            faults.extend(FaultRecord(j, s.kind, s.when(), error="not fired: the job had ended")
+                          for j, s in enumerate(sc.faults[i:], start=i))
+            return f"the job ended before fault {i} ({spec.kind}) fired: raise final_step"
+        rec = _one_fault(i, spec, nodes, target, rng, say)
+        faults.append(rec)
+        if rec.t_inject is not None and rec.t_recovered is None:
+            faults.extend(FaultRecord(j, s.kind, s.when(), error="not fired: an earlier fault never "
+                                      "recovered") for j, s in enumerate(sc.faults[i + 1:], start=i + 1))
+            return f"fault {i} ({spec.kind}) never recovered"
+    return None
+
+
+def _ended(nodes: list[DaemonNode]) -> bool:
+    """No daemon runs any more: the job completed (or everything died)."""
+    return not any(n.running() for n in nodes)
+
+
+def _finish(nodes: list[DaemonNode], sc: Scenario, say: Say) -> dict[str, int | None]:
+    """Every daemon exits by itself once the job completes (None: it had to be killed)."""
+    if _wait(lambda: not any(n.running() for n in nodes), _finish_timeout(sc)):
+        say(f"job completed at step {_step_now(nodes) or sc.final_step}")
+    else:
+        say("the job did not complete in time")
+    return {n.name: (n.proc.poll() if n.proc else None) for n in nodes}

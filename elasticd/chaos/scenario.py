@@ -1,0 +1,176 @@
+"""A chaos scenario: a seed and a sequence of faults with their timing and target.
+
+Written as a small TOML or JSON file::
+
+    seed = 7                 # recorded; also picks "any" targets
+    nodes = 3
+    final_step = 1500        # the job's --max-steps
+    [[fault]]
+    kind = "node-kill"       # a name of elasticd.chaos.faults.INJECTORS
+    at_step = 100            # or at_s = 20.0: seconds after the first world of `nodes`
+    target = "rank0"         # "rank0" | "other" | "any" | a node name ("a", "b", ...)
+
+or drawn from a seed (``draw``). A fault fires at its step or time, or as soon as the
+previous one has recovered if that moment has already passed (so a fault never lands
+inside another's recovery unless it is written to: the runner records where it fired).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+import tomllib
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+TARGETS = ("rank0", "other", "any")
+MAX_NODES = 8
+
+
+class ScenarioError(ValueError):
+    """A scenario that cannot run; the message names the field and what is allowed."""
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One planned fault: exactly one of ``at_step`` / ``at_s`` is set."""
+
+    kind: str
+    target: str = "any"
+    at_step: int | None = None
+    at_s: float | None = None
+
+    def when(self) -> str:
+        return f"step {self.at_step}" if self.at_step is not None else f"{self.at_s:g} s"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    seed: int
+    faults: tuple[FaultSpec, ...]
+    nodes: int = 3
+    final_step: int = 1500
+    every_steps: int = 20          # the job's checkpoint interval
+    step_sleep: float = 0.05       # per step, so that faults land mid-job on a 2-core box
+    etcd_members: int = 1
+    name: str = field(default="")
+
+    def node_names(self) -> list[str]:
+        return list(string.ascii_lowercase[: self.nodes])
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["faults"] = [{k: v for k, v in asdict(f).items() if v is not None} for f in self.faults]
+        return out
+
+
+def _kinds() -> Sequence[str]:
+    from elasticd.chaos.faults import INJECTORS  # late: faults imports the runner's types
+
+    return tuple(INJECTORS)
+
+
+def _int(raw: dict[str, Any], key: str, default: int, low: int, high: int | None = None) -> int:
+    value = raw.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (
+            high is not None and value > high):
+        bound = f"{low}..{high}" if high is not None else f">= {low}"
+        raise ScenarioError(f"{key} = {value!r}: must be a whole number {bound}")
+    return value
+
+
+def _fault(raw: Any, index: int, nodes: int, kinds: Sequence[str]) -> FaultSpec:
+    where = f"fault #{index + 1}"
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"{where}: a table with kind, target and at_step or at_s, not {raw!r}")
+    unknown = set(raw) - {"kind", "target", "at_step", "at_s"}
+    if unknown:
+        raise ScenarioError(f"{where}: unknown key(s) {sorted(unknown)}; use kind, target, at_step, at_s")
+    kind = raw.get("kind")
+    if kind not in kinds:
+        raise ScenarioError(f"{where}: kind {kind!r} is not one of {', '.join(kinds)}")
+    target = raw.get("target", "any")
+    names = string.ascii_lowercase[:nodes]
+    if not isinstance(target, str) or (target not in TARGETS and target not in names):
+        raise ScenarioError(f"{where}: target {target!r}: use {', '.join(TARGETS)} or a node "
+                            f"name of this scenario ({', '.join(names)})")
+    at_step, at_s = raw.get("at_step"), raw.get("at_s")
+    if (at_step is None) == (at_s is None):
+        raise ScenarioError(f"{where}: give exactly one of at_step (a step) or at_s (seconds)")
+    if at_step is not None and (not isinstance(at_step, int) or isinstance(at_step, bool) or at_step < 1):
+        raise ScenarioError(f"{where}: at_step = {at_step!r}: a step >= 1")
+    if at_s is not None and (not isinstance(at_s, (int, float)) or isinstance(at_s, bool) or at_s < 0):
+        raise ScenarioError(f"{where}: at_s = {at_s!r}: seconds >= 0")
+    return FaultSpec(kind, target, at_step, None if at_s is None else float(at_s))
+
+
+def from_dict(raw: dict[str, Any], kinds: Sequence[str] | None = None, name: str = "") -> Scenario:
+    """Validate a parsed scenario file; ``ScenarioError`` says what is wrong and where."""
+    kinds = kinds or _kinds()
+    unknown = set(raw) - {"seed", "nodes", "final_step", "every_steps", "step_sleep",
+                          "etcd_members", "fault", "faults", "name"}
+    if unknown:
+        raise ScenarioError(f"unknown key(s) {sorted(unknown)}")
+    seed = _int(raw, "seed", 0, 0)
+    nodes = _int(raw, "nodes", 3, 2, MAX_NODES)
+    final_step = _int(raw, "final_step", 1500, 10)
+    every = _int(raw, "every_steps", 20, 1)
+    members = _int(raw, "etcd_members", 1, 1, 1)  # 3-member clusters: not yet (see README)
+    sleep = raw.get("step_sleep", 0.05)
+    if not isinstance(sleep, (int, float)) or isinstance(sleep, bool) or not 0 <= sleep <= 5:
+        raise ScenarioError(f"step_sleep = {sleep!r}: seconds in 0..5")
+    items = raw.get("fault", raw.get("faults", []))
+    if not isinstance(items, list) or not items:
+        raise ScenarioError("no faults: give at least one [[fault]] table")
+    faults = tuple(_fault(f, i, nodes, kinds) for i, f in enumerate(items))
+    late = [(i, f) for i, f in enumerate(faults) if f.at_step is not None and f.at_step >= final_step]
+    if late:
+        i, f = late[0]
+        raise ScenarioError(f"fault #{i + 1}: {f.kind} at step {f.at_step} is not before "
+                            f"final_step {final_step}: it would never fire")
+    return Scenario(seed, faults, nodes, final_step, every, float(sleep), members,
+                    str(raw.get("name", name)))
+
+
+def load(path: Path, kinds: Sequence[str] | None = None) -> Scenario:
+    """A scenario file: ``.toml`` or ``.json``."""
+    text = path.read_text()
+    try:
+        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        kind = "JSON" if path.suffix == ".json" else "TOML"
+        raise ScenarioError(f"{path}: not valid {kind}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"{path}: a table of settings, not {type(raw).__name__}")
+    try:
+        return from_dict(raw, kinds, name=path.stem)
+    except ScenarioError as exc:
+        raise ScenarioError(f"{path}: {exc}") from None
+
+
+def draw(seed: int, kinds: Iterable[str], nodes: int = 3, first_step: int = 60,
+         spacing: int = 60, tail: int = 150, **settings: Any) -> Scenario:
+    """A scenario from a seed: ``kinds`` in a seeded order, each at a seeded target, one
+    every ``spacing`` steps from ``first_step``; the job runs ``tail`` steps past the last.
+
+    The same seed and set of kinds give the same scenario (``random.Random(seed)``).
+    """
+    kinds = sorted(kinds)   # the order they are given in does not change the draw
+    known = _kinds()
+    bad = [k for k in kinds if k not in known]
+    if bad:
+        raise ScenarioError(f"unknown fault kind(s) {bad}; known: {', '.join(known)}")
+    if not kinds:
+        raise ScenarioError("no fault kinds to draw from")
+    rng = random.Random(seed)
+    rng.shuffle(kinds)
+    targets = [*TARGETS[:2], *string.ascii_lowercase[:nodes]]
+    faults = tuple(FaultSpec(k, rng.choice(targets), first_step + i * spacing)
+                   for i, k in enumerate(kinds))
+    final = first_step + len(kinds) * spacing + tail
+    return from_dict({"seed": seed, "nodes": nodes, "final_step": final,
+                      "faults": [{k: v for k, v in asdict(f).items() if v is not None} for f in faults],
+                      **settings}, known, name=f"seed-{seed}")

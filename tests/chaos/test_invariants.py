@@ -1,0 +1,203 @@
+"""The invariants on made-up histories and real checkpoints, without processes, and each
+seen to bite: fed a tampered history or a system weakened on purpose, the check fails.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from checkpointing import CheckpointManager, reader
+from elasticd.chaos import invariants as inv
+from elasticd.chaos.faults import Target, corrupt_newest, newest_committed
+from elasticd.chaos.oracle import lineage, replay_run
+from elasticd.chaos.run import RUN, FaultRecord, RunResult
+from elasticd.chaos.scenario import FaultSpec, Scenario
+
+FINAL = 60
+T0 = 1_000_000.0
+
+
+def _world(step: int) -> int:
+    return 3 if step <= 30 else 2
+
+
+def _lr(step: int) -> float:
+    return RUN.lr * _world(step) / 3
+
+
+def _records(final: int = FINAL, *, resume_at: tuple[int, int] | None = None) -> list[dict]:
+    """Rank 0's progress records, one step each 0.1 s; ``resume_at`` (after, to): a
+    restart after step ``after`` that resumed from ``to`` (and a 3 s pause)."""
+    out, t = [], T0
+    step = 1
+    while step <= final:
+        out.append({"event": "checkpoint" if step % 20 == 0 else "step", "step": step, "rank": 0,
+                    "world_size": _world(step), "lr": _lr(step), "time": t})
+        t += 0.1
+        if resume_at and step == resume_at[0]:
+            t += 3.0
+            step = resume_at[1]
+            out.append({"event": "resumed", "step": step, "rank": 0, "world_size": 2, "lr": _lr(step),
+                        "time": t})
+            resume_at = None
+        step += 1
+    return out
+
+
+def _save_final(ckpt, records: list[dict], final: int = FINAL) -> None:
+    """The checkpoint a faithful run of ``records`` ends with (the replay's own state)."""
+    hist = {s: (r["world_size"], r["lr"]) for s, r in lineage(records).items()}
+    done = replay_run(RUN, hist)
+    with CheckpointManager(ckpt, keep_last=3, world_size=2) as mgr:
+        mgr.save(final, {"model": done.params, "sampler": {"epoch": done.epoch, "cursor": done.cursor}})
+
+
+def _result(tmp_path, records: list[dict], faults: list[FaultRecord] = (), corrupted=None,
+            final: int = FINAL) -> RunResult:
+    sc = Scenario(1, (FaultSpec("node-kill", "any", 10),), nodes=3, final_step=final)
+    return RunResult(sc, tmp_path, RUN, list(faults), T0 - 10, T0, records[-1]["time"] + 1,
+                     {"a": 0, "b": 0, "c": 0}, {"a": records}, corrupted or {}, [])
+
+
+def _fault(index: int, kind: str, t: float, **detail) -> FaultRecord:
+    return FaultRecord(index, kind, "step 1", "a", 1, t, t, t + 5, detail)
+
+
+# -- recovery time and steps lost --------------------------------------------------------------
+
+def test_recovery_is_the_first_step_after_the_interruption_and_steps_lost_what_was_redone():
+    records = _records(resume_at=(45, 40))
+    t_fault = records[44]["time"] + 0.05   # just after step 45
+    assert inv.recovery_s(records, t_fault, float("inf")) == pytest.approx(3.05, abs=0.01)
+    assert inv.steps_lost(records, t_fault, float("inf")) == 5
+    assert inv.steps_lost(records, records[-1]["time"], float("inf")) == 0  # not in the window
+
+
+def test_a_fault_the_job_never_noticed_costs_nothing_and_no_steps_at_all_is_none():
+    records = _records()
+    assert inv.recovery_s(records, records[10]["time"] + 0.01, float("inf")) == 0.0
+    assert inv.recovery_s(records, records[-1]["time"] + 1, float("inf")) is None
+
+
+def test_the_recovery_check_allows_no_lost_step_on_a_drain(tmp_path):
+    records = _records(resume_at=(45, 40))
+    t = records[44]["time"] + 0.05
+    for kind, passes in (("node-kill", True), ("drain", False)):
+        result = _result(tmp_path, records, [_fault(0, kind, t)])
+        check = inv.check_recovery(result, inv.fault_metrics(result))
+        assert check.passed is passes, check
+        assert passes or check.fault == "#0 drain"
+
+
+# -- the oracle and exactly-once: pass on a faithful run, fail on a tampered one ---------------
+
+def test_the_oracle_passes_on_a_faithful_history(tmp_path):
+    records = _records(resume_at=(45, 40))
+    _save_final(tmp_path / "ckpt", records)
+    checks, _ = inv.check_all(_result(tmp_path, records, [_fault(0, "node-kill", records[44]["time"])]))
+    assert all(c.passed for c in checks), [c for c in checks if not c.passed]
+
+
+@pytest.mark.parametrize("tamper", ["world", "lr"])
+def test_the_oracle_bites_on_a_history_the_run_did_not_follow(tmp_path, tamper):
+    """One step logged with a world size it did not have (its samples: a third more, used
+    again the next step) or an LR off by one part in a million: the replay no longer matches."""
+    records = _records()
+    _save_final(tmp_path / "ckpt", records)
+    fault_t = records[39]["time"]
+    if tamper == "world":
+        records[44]["world_size"] = 3
+    else:
+        records[44]["lr"] *= 1.0 + 1e-6
+    result = _result(tmp_path, records, [_fault(0, "node-kill", fault_t)])
+    oracle, once = inv.check_oracle(result, lineage(inv.rank0_records(result.progress)))
+    assert not oracle.passed and not once.passed, (oracle, once)
+    assert "max relative difference" in oracle.detail
+
+
+def test_the_sampler_check_bites_on_a_saved_cursor_the_replay_did_not_reach(tmp_path):
+    records = _records()
+    hist = {s: (r["world_size"], r["lr"]) for s, r in lineage(records).items()}
+    done = replay_run(RUN, hist)
+    with CheckpointManager(tmp_path / "ckpt", keep_last=3, world_size=2) as mgr:
+        mgr.save(FINAL, {"model": done.params, "sampler": {"epoch": done.epoch, "cursor": done.cursor + 2}})
+    oracle, once = inv.check_oracle(_result(tmp_path, records), lineage(records))
+    assert oracle.passed and not once.passed
+
+
+def test_a_missing_step_is_named_with_the_fault_before_it(tmp_path):
+    records = [r for r in _records() if r["step"] != 33]
+    result = _result(tmp_path, records, [_fault(0, "node-stop", records[20]["time"])])
+    check = inv.check_contiguous(result, lineage(records))
+    assert not check.passed and "first [33]" in check.detail and check.fault == "#0 node-stop"
+
+
+# -- checkpoints: the corruption injector, verification, and the weakened reader --------------
+
+def _three_checkpoints(ckpt) -> None:
+    with CheckpointManager(ckpt, keep_last=3, world_size=1) as mgr:
+        for step in (20, 40, 60):
+            mgr.save(step, {"model": {"w": replay_run(RUN, {1: (1, 0.1)}).params["0.weight"] + step}})
+
+
+def test_the_corruption_injector_damages_the_newest_committed_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    _three_checkpoints(ckpt)
+    target = Target({}, None, ckpt)
+    detail = corrupt_newest(target)
+    assert detail["step"] == 60 and list(target.corrupted.values()) == [60]
+    assert newest_committed(ckpt)[0] == 60          # the manifest still claims it
+    assert CheckpointManager(ckpt, read_only=True).load_latest().step == 40  # verification skips it
+
+
+def _resume_after_damage(tmp_path, monkeypatch, weakened: bool) -> RunResult:
+    """The resume a restarted rank 0 makes after the injector damaged step 60, with the
+    reader's verification on, or off (``weakened``: the system under test is broken)."""
+    ckpt = tmp_path / "ckpt"
+    _three_checkpoints(ckpt)
+    target = Target({}, None, ckpt)
+    t_damage = time.time()
+    detail = corrupt_newest(target)
+    if weakened:
+        monkeypatch.setattr(reader, "verify_files", lambda *a, **k: None)
+    loaded = CheckpointManager(ckpt, read_only=True).load_latest()
+    records = [*_records(),
+               {"event": "resumed", "step": loaded.step, "rank": 0, "world_size": 2, "lr": 0.1,
+                "time": t_damage + 1}]
+    fault = FaultRecord(0, "checkpoint-corrupt", "step 50", "a", 60, t_damage, t_damage, t_damage + 5,
+                        detail)
+    return _result(tmp_path, records, [fault], target.corrupted)
+
+
+def test_no_corrupt_load_passes_when_the_reader_verifies(tmp_path, monkeypatch):
+    check = inv.check_corrupt_loads(_resume_after_damage(tmp_path, monkeypatch, weakened=False))
+    assert check.passed, check
+
+
+def test_no_corrupt_load_bites_when_verification_is_switched_off(tmp_path, monkeypatch):
+    check = inv.check_corrupt_loads(_resume_after_damage(tmp_path, monkeypatch, weakened=True))
+    assert not check.passed and "resumed from damaged step 60" in check.detail, check
+    assert check.fault == "#0 checkpoint-corrupt"
+
+
+def test_intact_checkpoints_exempt_only_what_the_run_damaged_itself(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    _three_checkpoints(ckpt)
+    records = _records()
+    own = Target({}, None, ckpt)
+    corrupt_newest(own)
+    assert inv.check_checkpoints(_result(tmp_path, records, corrupted=own.corrupted)).passed
+    # The same damage, not made by the run: a checkpoint the system itself broke.
+    check = inv.check_checkpoints(_result(tmp_path, records))
+    assert not check.passed and "sha256 mismatch" in check.detail
+
+
+def test_a_leftover_process_and_a_failed_exit_fail_their_checks(tmp_path):
+    records = _records()
+    result = _result(tmp_path, records)
+    result.leftover.append("123:python worker")
+    result.exit_codes["b"] = 1
+    assert not inv.check_processes(result).passed
+    assert not inv.check_completed(result).passed

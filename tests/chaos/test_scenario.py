@@ -1,0 +1,91 @@
+"""Scenario files and seeded draws: what is accepted, what is refused and how it is named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elasticd.chaos.faults import INJECTORS
+from elasticd.chaos.scenario import FaultSpec, ScenarioError, draw, from_dict, load
+
+TOML = """
+seed = 7
+nodes = 3
+final_step = 400
+[[fault]]
+kind = "node-kill"
+at_step = 100
+target = "rank0"
+[[fault]]
+kind = "etcd-restart"
+at_s = 30
+"""
+
+
+def test_a_toml_file_is_read(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text(TOML)
+    sc = load(path)
+    assert sc.seed == 7 and sc.nodes == 3 and sc.final_step == 400 and sc.name == "s"
+    assert sc.faults == (FaultSpec("node-kill", "rank0", 100), FaultSpec("etcd-restart", "any", None, 30.0))
+    assert sc.node_names() == ["a", "b", "c"]
+
+
+def test_a_json_file_round_trips(tmp_path):
+    sc = draw(3, INJECTORS)
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(sc.to_dict()))
+    assert load(path) == sc
+
+
+@pytest.mark.parametrize(("fault", "message"), [
+    ({"kind": "meteor", "at_step": 5}, "kind 'meteor' is not one of"),
+    ({"kind": "drain"}, "exactly one of at_step"),
+    ({"kind": "drain", "at_step": 5, "at_s": 2}, "exactly one of at_step"),
+    ({"kind": "drain", "at_step": 0}, "at_step = 0"),
+    ({"kind": "drain", "at_s": -1}, "at_s = -1"),
+    ({"kind": "drain", "at_step": 5, "target": "z"}, "target 'z'"),
+    ({"kind": "drain", "at_step": 5, "when": 1}, "unknown key(s) ['when']"),
+    ({"kind": "drain", "at_step": 999}, "is not before final_step 400"),
+    ("drain", "a table with kind"),
+])
+def test_a_bad_fault_is_refused_with_its_number_and_the_fix(fault, message):
+    with pytest.raises(ScenarioError, match="fault #2") as info:
+        from_dict({"final_step": 400, "fault": [{"kind": "drain", "at_step": 1}, fault]})
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ({"fault": []}, "no faults"),
+    ({"nodes": 1, "fault": [{"kind": "drain", "at_step": 1}]}, "nodes = 1"),
+    ({"etcd_members": 3, "fault": [{"kind": "drain", "at_step": 1}]}, "etcd_members = 3"),
+    ({"step_sleep": "slow", "fault": [{"kind": "drain", "at_step": 1}]}, "step_sleep"),
+    ({"colour": 1, "fault": [{"kind": "drain", "at_step": 1}]}, "unknown key(s) ['colour']"),
+])
+def test_bad_settings_are_refused(raw, message):
+    with pytest.raises(ScenarioError) as info:
+        from_dict(raw)
+    assert message in str(info.value)
+
+
+def test_a_file_that_does_not_parse_names_itself(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("seed = [")
+    with pytest.raises(ScenarioError, match="bad.toml: not valid TOML"):
+        load(path)
+
+
+def test_a_draw_is_a_function_of_the_seed_and_the_set_of_kinds():
+    kinds = ["drain", "node-kill", "etcd-restart"]
+    one = draw(11, kinds)
+    assert one == draw(11, list(reversed(kinds)))
+    assert sorted(f.kind for f in one.faults) == sorted(kinds)
+    assert [f.at_step for f in one.faults] == [60, 120, 180]
+    assert one.final_step == 60 + 3 * 60 + 150
+    assert any(draw(s, kinds).faults != one.faults for s in range(12, 20))
+
+
+def test_a_draw_refuses_unknown_kinds():
+    with pytest.raises(ScenarioError, match="unknown fault kind"):
+        draw(1, ["node-kill", "meteor"])
