@@ -597,24 +597,27 @@ def plot(cells: list[dict], prefix: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     written = []
+    colors = dict(zip(SYSTEMS, ("tab:blue", "tab:orange", "tab:green", "tab:red"), strict=True))
     for key, title, unit, _ in FIGURES:
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
         drawn = False
         for system in SYSTEMS:
             mine = sorted((c for c in cells if c["system"] == system), key=lambda c: c["nodes"])
-            pts = [(c["nodes"], figure(c, key)) for c in mine]
-            shown = [(n, y) for n, y in pts if y is not None]
-            if not shown:
+            shown = [(c["nodes"], figure(c, key)) for c in mine if figure(c, key) is not None]
+            if shown:
+                drawn = True
+                ax.plot([n for n, _ in shown], [y for _, y in shown], marker="o", label=system,
+                        color=colors[system])
+            if key not in ("form_s", "reform_s"):
                 continue
-            drawn = True
-            ax.plot([n for n, _ in shown], [y for _, y in shown], marker="o", label=system)
-            for c in mine:
-                if key.startswith(("form", "reform")) and figure(c, key) is None:
-                    cap = c.get("form" if key == "form_s" else "reform", {}).get("timeout_s")
-                    if cap:
-                        ax.scatter([c["nodes"]], [cap], marker="x", color="red", zorder=5)
-                        ax.annotate(f"{system}: not in {cap:.0f} s", (c["nodes"], cap),
-                                    fontsize=7, textcoords="offset points", xytext=(-60, 6))
+            # A cell that did not form (or re-form) within its cap: an x at the cap.
+            missed = [(c["nodes"], c.get("form" if key == "form_s" else "reform", {}))
+                      for c in mine if figure(c, key) is None]
+            missed = [(n, part["timeout_s"]) for n, part in missed if part.get("timeout_s")]
+            if missed:
+                drawn = True
+                ax.scatter([n for n, _ in missed], [cap for _, cap in missed], marker="x", s=70,
+                           color=colors[system], label=f"{system}: not within the cap", zorder=5)
         if not drawn:
             plt.close(fig)
             continue
@@ -736,7 +739,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-dir", default=None,
                         help="keep each cell's logs under this directory (default: removed)")
     parser.add_argument("--out", default="benchmarks/results/scale", help="output prefix")
+    parser.add_argument("--replot", default=None, metavar="JSON",
+                        help="only rewrite the markdown and plots of a stored run")
     args = parser.parse_args(argv)
+    if args.replot:
+        result = json.loads(Path(args.replot).read_text())
+        prefix = Path(args.replot).with_suffix("")
+        result["projection"] = projections(result["cells"])
+        result["plots"] = plot(result["cells"], prefix)
+        prefix.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+        prefix.with_suffix(".md").write_text(markdown(result))
+        return 0
     result = run_all([int(n) for n in args.nodes.split(",")], args.systems.split(","), args,
                      " ".join(argv if argv is not None else sys.argv[1:]))
     prefix = Path(args.out)
