@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -32,6 +33,9 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated fault kinds to draw from (default: all)")
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--spacing", type=int, default=60, help="steps between drawn faults")
+    p.add_argument("--final-step", type=int, default=None,
+                   help="the job's last step for a drawn scenario (default: 150 past the last fault; "
+                   "a fault fires only once the previous one recovered, so give room)")
     p.add_argument("--out", type=Path, default=Path("chaos-report"), help="where the report goes")
     p.add_argument("--keep", action="store_true", help="keep the cluster's logs and checkpoints "
                    "(in OUT/cluster)")
@@ -42,11 +46,20 @@ def scenario_of(args: argparse.Namespace) -> Scenario:
     if args.scenario is not None:
         return load(args.scenario)
     kinds = [k.strip() for k in args.faults.split(",") if k.strip()]
-    return draw(args.seed, kinds, nodes=args.nodes, spacing=args.spacing)
+    extra = {} if args.final_step is None else {"final_step": args.final_step}
+    return draw(args.seed, kinds, nodes=args.nodes, spacing=args.spacing, **extra)
+
+
+def _exit_on(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)   # unwinds through local_cluster: every process is killed
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    # A background job of a non-interactive shell starts with SIGINT ignored (seen: the
+    # run could not be interrupted); SIGTERM would kill it without its cleanup.
+    signal.signal(signal.SIGINT, _exit_on)
+    signal.signal(signal.SIGTERM, _exit_on)
     if args.list:
         for name, cls in INJECTORS.items():
             print(f"{name:24} {cls.summary}")

@@ -115,6 +115,10 @@ class Injector:
     summary: ClassVar[str]
     target_rule: ClassVar[str] = "node"
     hold_s: ClassVar[float] = 0.0          # between inject and heal
+    # Recovered means the hit node runs new workers, none of those it had before: an
+    # agent's SIGKILL leaves its workers stepping until its successor's rendezvous
+    # restarts them (seen), and a daemon's SIGKILL must not leave the old ones behind.
+    replaces_workers: ClassVar[bool] = True
 
     def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
         raise NotImplementedError
@@ -140,6 +144,7 @@ class OomKill(Injector):
     target_rule = "cluster"
 
     def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
+        # "node" in the detail: the node it hit, for the runner's recovered check.
         found = [(_rss(w), n.name, w) for n in t.running() for w in workers_of(n)]
         if not found:
             raise InjectionError("no live worker in the cluster")
@@ -158,10 +163,20 @@ class AgentKill(Injector):
         return _sigkill(agent)
 
 
-class DaemonKill(Injector):
+class _Restarted(Injector):
+    """A fault that takes the node's daemon down: healed by starting the node again, 2 s
+    later (as a machine reboots, or systemd restarts the service)."""
+
+    hold_s = 2.0
+
+    def heal(self, t: Target, victim: DaemonNode | None) -> Detail:
+        victim.start()
+        return {"restarted": True}
+
+
+class DaemonKill(_Restarted):
     name = "daemon-kill"
     summary = "SIGKILL the daemon alone, its agent and workers still running; restart it"
-    hold_s = 2.0
 
     def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
         below = len(victim.tree()) - 1
@@ -169,23 +184,14 @@ class DaemonKill(Injector):
         victim.proc.wait()
         return {**detail, "processes_below": below}
 
-    def heal(self, t: Target, victim: DaemonNode | None) -> Detail:
-        victim.start()
-        return {"restarted": True}
 
-
-class NodeKill(Injector):
+class NodeKill(_Restarted):
     name = "node-kill"
     summary = "SIGKILL the whole node (daemon, agent, workers) at once; restart it"
-    hold_s = 2.0
 
     def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
         victim.kill()
         return {}
-
-    def heal(self, t: Target, victim: DaemonNode | None) -> Detail:
-        victim.start()
-        return {"restarted": True}
 
 
 class Rank0NodeKill(NodeKill):
@@ -235,6 +241,7 @@ class EtcdRestart(Injector):
     summary = "SIGKILL the (single) etcd member, restart it 3 s later with its data"
     target_rule = "cluster"
     hold_s = 3.0
+    replaces_workers = False   # training goes on through an etcd outage
 
     def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
         t.etcd.kill()

@@ -1,0 +1,26 @@
+"""The chaos suite's fast subset, in the default run: three cheap faults on a 3-node job
+(a worker SIGKILL, an OOM-style kill of the biggest worker, an etcd crash and restart),
+then every invariant. The full matrix is `make chaos`."""
+
+from __future__ import annotations
+
+import pytest
+
+from elasticd.chaos.scenario import FaultSpec, Scenario
+from tests.chaos.common import run_checked
+
+SUBSET = Scenario(seed=3, nodes=3, final_step=200, faults=(
+    FaultSpec("worker-kill", "other", 30),
+    FaultSpec("etcd-restart", "any", 60),
+    FaultSpec("oom-kill", "any", 90),
+), name="ci-subset")
+
+
+@pytest.mark.timeout(600)
+def test_the_fast_subset_keeps_every_invariant(tmp_path, job_id):
+    result, checks, metrics = run_checked(SUBSET, tmp_path, job_id)
+    assert [c.name for c in checks] == [
+        "faults-recovered", "job-completed", "steps-contiguous", "replay-oracle",
+        "samples-exactly-once", "checkpoints-intact", "no-corrupt-load", "recovery-bounded",
+        "no-process-left"]
+    assert len(metrics) == 3
