@@ -38,7 +38,6 @@ import socket
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -140,7 +139,10 @@ class WarmServer:
                 conn.close()
             code = run_worker(request, fds)
         except BaseException:  # noqa: BLE001 - the worker's exit code says it
-            traceback.print_exc()
+            # What the interpreter does with an uncaught exception: the script's own
+            # sys.excepthook (trainer.elastic's commits and exits), else the traceback.
+            with contextlib.suppress(BaseException):
+                sys.excepthook(*sys.exc_info())
         finally:
             with contextlib.suppress(Exception):
                 sys.stdout.flush()

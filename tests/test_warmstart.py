@@ -109,3 +109,21 @@ def test_a_warm_worker_logs_its_own_rank(server):
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert '"worker_rank": "7"' in out.stderr  # structlog writes to stderr
+
+
+def test_an_uncaught_exception_goes_through_the_scripts_excepthook(server):
+    """As in a cold interpreter: trainer.elastic's hook (failure commit, exit) must run."""
+    root, sock, _ = server
+    (root / "hook.py").write_text(
+        "import os, sys\n"
+        "def hook(kind, exc, tb):\n"
+        "    sys.__excepthook__(kind, exc, tb)\n"
+        "    os.write(1, b'hook saw ' + str(exc).encode() + b'\\n')\n"
+        "    os._exit(9)\n"
+        "sys.excepthook = hook\n"
+        "raise RuntimeError('peer gone')\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-m", "elasticd.warmstart", str(sock), str(root / "hook.py")],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout) == (9, "hook saw peer gone\n"), out.stderr
+    assert "RuntimeError: peer gone" in out.stderr  # the default hook's traceback, too
