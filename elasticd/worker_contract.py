@@ -119,7 +119,8 @@ class WorkerSettings:
     lr_warmup_steps: int = setting(int, "LR ramp length after a world-size change", default=0,
                                    check=_non_negative, expected="an integer >= 0")
     stop_file: str | None = setting(str, "exists -> coordinated stop, as SIGTERM")
-    progress_file: str | None = setting(str, "JSON progress record, rewritten every step")
+    progress_file: str | None = setting(
+        str, "JSON progress record, rewritten after every event (steps: at most every 0.25 s)")
     daemon_pid: int | None = setting(int, "exit when this process dies",
                                      check=_positive_int, expected="a positive pid")
     generation: int | None = setting(

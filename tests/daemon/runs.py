@@ -8,9 +8,15 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
 
+import torch
+
+from checkpointing import CheckpointManager
 from tests.daemon_nodes import DaemonNode, stepping_at, wait_for
+from tests.oracle import max_rel_diff
 
 
 def by_rank(nodes: list[DaemonNode], rank0: bool) -> DaemonNode:
@@ -67,3 +73,17 @@ def resumed_where_it_stopped(node: DaemonNode, since: float) -> dict:
                       and r["event"] in ("step", "checkpoint"))
     assert resumed["step"] == done_before, "the restart lost steps"
     return resumed
+
+
+def final_matches_replay(ckpt: Path, history: Mapping[int, Any],
+                         replayed: Callable[[], dict[str, torch.Tensor]]) -> int:
+    """Every step 1..final is in ``history``, the newest checkpoint is of ``final`` and
+    its model equals ``replayed()`` (the single-process replay) within 1e-9; ``final``."""
+    final = max(history)
+    assert sorted(history) == list(range(1, final + 1)), "a step is missing"
+    latest = CheckpointManager(ckpt, read_only=True).load_latest()
+    assert latest is not None and latest.step == final
+    rel = max_rel_diff(latest.state["model"], replayed())
+    print(f"oracle: max relative difference {rel:.3e} over {final} steps")
+    assert rel < 1e-9
+    return final

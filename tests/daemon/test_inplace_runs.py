@@ -15,17 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from checkpointing import CheckpointManager
 from tests.daemon.runs import (
     by_rank,
     completed,
+    final_matches_replay,
     lose_one,
     progress_records,
     resumed_where_it_stopped,
     world_of_three,
 )
 from tests.daemon_nodes import DaemonNode, agent_events, log_lines, stepping_at, stop_nodes, wait_for
-from tests.oracle import Run, max_rel_diff, replay, step_history
+from tests.oracle import Run, replay, step_history
 
 pytestmark = pytest.mark.inplace
 
@@ -74,12 +74,7 @@ def _lose_one(add, nodes, final: int, rank0: bool = False, script: str = MLP,
 
 def _matches_the_replay(node: DaemonNode, ckpt: Path, final: int) -> dict[int, tuple[int, float]]:
     history = step_history(progress_records(node))
-    assert sorted(history) == list(range(1, final + 1)), "a step is missing"
-    latest = CheckpointManager(ckpt, read_only=True).load_latest()
-    assert latest.step == final
-    rel = max_rel_diff(latest.state["model"], replay(RUN, history))
-    print(f"oracle: max relative difference {rel:.3e} over {final} steps")
-    assert rel < 1e-9
+    assert final_matches_replay(ckpt, history, lambda: replay(RUN, history)) == final
     return history
 
 
