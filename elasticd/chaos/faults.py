@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import psutil
 
 from checkpointing import layout
+from checkpointing.errors import CorruptCheckpointError
 from checkpointing.manifest import Manifest
 from elasticd.embedded_etcd import EmbeddedEtcd
 from elasticd.local_cluster import DaemonNode
@@ -86,6 +87,13 @@ def workers_of(node: DaemonNode) -> list[psutil.Process]:
         elif node.script in cmd and not ({"torch.distributed.run", "elasticd.warmstart"} & set(cmd)):
             out.append(proc)
     return out
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _rss(proc: psutil.Process) -> int:
@@ -179,10 +187,16 @@ class DaemonKill(_Restarted):
     summary = "SIGKILL the daemon alone, its agent and workers still running; restart it"
 
     def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
-        below = len(victim.tree()) - 1
+        self._below = victim.tree()[1:]
         detail = _sigkill(psutil.Process(victim.proc.pid))
         victim.proc.wait()
-        return {**detail, "processes_below": below}
+        return {**detail, "processes_below": len(self._below)}
+
+    def heal(self, t: Target, victim: DaemonNode | None) -> Detail:
+        # The daemon's tree dies with it (parent-death signals): what is still alive after
+        # the hold would be orphans beside the restarted daemon's workers.
+        orphans = [p.pid for p in self._below if _alive(p)]
+        return {"orphans_after_hold": orphans, **super().heal(t, victim)}
 
 
 class NodeKill(_Restarted):
@@ -252,18 +266,28 @@ class EtcdRestart(Injector):
         return {"restarted": True}
 
 
-def newest_committed(ckpt_dir: Path) -> tuple[int, Path] | None:
-    """The newest step directory with a valid manifest, and its data file."""
-    for step, name in sorted(((layout.parse_step_dir(d.name), d.name) for d in ckpt_dir.iterdir()
-                              if layout.parse_step_dir(d.name) is not None), reverse=True):
-        manifest = ckpt_dir / name / layout.MANIFEST_NAME
+def committed(ckpt_dir: Path) -> list[tuple[int, Path]]:
+    """(step, data file) of every step directory whose manifest parses, newest first:
+    what the writer committed, whole or since damaged (sizes and hashes are not checked)."""
+    found = []
+    for d in ckpt_dir.iterdir() if ckpt_dir.exists() else []:
+        step = layout.parse_step_dir(d.name)
+        if step is None:
+            continue
+        manifest = d / layout.MANIFEST_NAME
         try:
             parsed = Manifest.from_json(manifest.read_bytes(), str(manifest))
-        except (OSError, ValueError, Exception):  # noqa: BLE001 - not committed (yet): older
-            continue
-        (file_name,) = parsed.files
-        return step, ckpt_dir / name / file_name
-    return None
+        except (OSError, CorruptCheckpointError):
+            continue   # not committed (yet), or its commit marker itself is unreadable
+        if parsed.step == step and len(parsed.files) == 1:
+            found.append((step, d / next(iter(parsed.files))))
+    return sorted(found, reverse=True)
+
+
+def newest_committed(ckpt_dir: Path) -> tuple[int, Path] | None:
+    """The newest committed step and its data file (see ``committed``)."""
+    found = committed(ckpt_dir)
+    return found[0] if found else None
 
 
 def flip_tensor_bytes(path: Path, count: int = 8) -> int:

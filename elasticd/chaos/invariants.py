@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 from checkpointing import CheckpointManager, layout
 from checkpointing.errors import CorruptCheckpointError
-from checkpointing.reader import load_verified, read_manifest
+from checkpointing.reader import load_verified
 from checkpointing.storage import LocalStorage
+from elasticd.chaos.faults import committed
 from elasticd.chaos.oracle import lineage, max_rel_diff, replay_run
 
 if TYPE_CHECKING:
@@ -202,7 +203,7 @@ def check_oracle(result: RunResult, history: dict[int, dict]) -> list[Check]:
 def _first_divergence(result: RunResult, history: dict[int, dict]) -> str | None:
     """The fault before the oldest retained checkpoint that no longer matches the replay."""
     storage = LocalStorage(result.ckpt_dir)
-    for step in sorted(_committed(storage)):
+    for step, _ in sorted(committed(result.ckpt_dir)):
         if any(s not in history for s in range(1, step + 1)):
             continue
         try:
@@ -215,23 +216,9 @@ def _first_divergence(result: RunResult, history: dict[int, dict]) -> str | None
     return None
 
 
-def _committed(storage: LocalStorage) -> list[int]:
-    steps = []
-    for name in storage.listdir():
-        step = layout.parse_step_dir(name)
-        if step is None:
-            continue
-        try:
-            read_manifest(storage, name, step)
-        except CorruptCheckpointError:
-            continue
-        steps.append(step)
-    return steps
-
-
 def check_checkpoints(result: RunResult) -> Check:
     storage = LocalStorage(result.ckpt_dir)
-    steps = sorted(_committed(storage))
+    steps = sorted(step for step, _ in committed(result.ckpt_dir))
     bad, exempt = [], []
     for step in steps:
         try:

@@ -33,6 +33,9 @@ def test_each_injector_is_recovered_with_every_invariant(kind, tmp_path, job_id)
         assert detail["pid"] > 0
     if kind == "oom-kill":
         assert detail["rss_bytes"] > 0
+    if kind == "daemon-kill":
+        # Its agent and workers did not outlive it (they would be orphans beside the new ones).
+        assert detail["processes_below"] >= 3 and detail["orphans_after_hold"] == [], detail
     if kind == "drain":
         assert detail["drain_exit_code"] == 0
         assert metrics[0].steps_lost == 0

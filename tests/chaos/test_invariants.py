@@ -201,3 +201,14 @@ def test_a_leftover_process_and_a_failed_exit_fail_their_checks(tmp_path):
     result.exit_codes["b"] = 1
     assert not inv.check_processes(result).passed
     assert not inv.check_completed(result).passed
+
+
+def test_intact_checkpoints_bite_on_a_commit_before_its_data_was_whole(tmp_path):
+    """A writer weakened to commit (manifest) before its data is durable, killed mid-write:
+    the committed checkpoint is truncated, and the check names it."""
+    ckpt = tmp_path / "ckpt"
+    _three_checkpoints(ckpt)
+    step, data = newest_committed(ckpt)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    check = inv.check_checkpoints(_result(tmp_path, _records()))
+    assert not check.passed and f"{step}: truncated" in check.detail, check
