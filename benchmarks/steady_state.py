@@ -10,6 +10,8 @@ rank, float32), 2 ranks under ``torchrun --standalone --nproc-per-node=2`` (gloo
     bare-loader  plain DDP loop, DataLoader + DistributedSampler  (the drop-in's baseline)
     dropin       that loop + ElasticDistributedSampler + ElasticState.step_done(loss)
     trainer      ElasticTrainer, as mlp.py builds it
+    trainer-noreseed  the same without the per-step reseed (TrainConfig.reseed_each_step=False),
+                 a diagnostic: what torch.manual_seed costs in place
 
 at two step sizes: ``tiny`` (the MLP step alone, --tiny-steps timed steps) and ``50ms``
 (the same step plus a 50 ms sleep inside it standing in for GPU compute, --sleep-steps),
@@ -47,8 +49,9 @@ from benchmarks.steady_worker import PIECES
 from elasticd import proctree
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = ("bare", "bare-loader", "dropin", "trainer")
-BASELINE = {"bare-loader": "bare", "dropin": "bare-loader", "trainer": "bare"}
+VARIANTS = ("bare", "bare-loader", "dropin", "trainer", "trainer-noreseed")
+BASELINE = {"bare-loader": "bare", "dropin": "bare-loader", "trainer": "bare",
+            "trainer-noreseed": "bare"}
 TARGETS = ("dropin", "trainer")  # held to TARGET_RATIO at the sleeping step
 TARGET_RATIO = 0.98
 LOG_EVERY = 10  # the loops' default: a progress line every 10 steps
@@ -118,20 +121,24 @@ def variant_args(variant: str, size: dict[str, float | int]) -> list[str]:
 def cells(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
     """size -> variant -> steps/s per repetition, median, ratio and overhead vs its baseline."""
     rates: dict[str, dict[str, dict[int, float]]] = {}
-    p50s: dict[tuple[str, str], list[float]] = {}
+    per_step: dict[tuple[str, str, str], list[float]] = {}
     for run in runs:
         if "result" in run and run["variant"] in VARIANTS:
             rates.setdefault(run["size"], {}).setdefault(run["variant"], {})[run["rep"]] = (
                 run["result"]["steps_per_s"])
-            p50s.setdefault((run["size"], run["variant"]), []).append(run["result"]["step_ms_p50"])
+            for key in ("step_ms_p50", "cpu_ms_per_step"):
+                per_step.setdefault((run["size"], run["variant"], key), []).append(
+                    run["result"].get(key, float("nan")))
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for size, by_variant in rates.items():
         out[size] = {}
         for variant, per_rep in by_variant.items():
-            # The median step is a second view that a few stalled steps (load) do not move.
+            # Two more views that load moves less than the wall-clock rate: the median step
+            # (a few stalled steps do not move it) and rank 0's CPU time per step.
             cell: dict[str, Any] = {"steps_per_s": [per_rep[r] for r in sorted(per_rep)],
                                     "median": statistics.median(per_rep.values()),
-                                    "step_ms_p50": statistics.median(p50s[size, variant])}
+                                    **{key: statistics.median(per_step[size, variant, key])
+                                       for key in ("step_ms_p50", "cpu_ms_per_step")}}
             base = by_variant.get(BASELINE.get(variant, ""))
             if base:
                 base_median = statistics.median(base.values())
@@ -139,7 +146,9 @@ def cells(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
                 paired = [per_rep[r] / base[r] for r in sorted(per_rep) if r in base]
                 cell.update(baseline=BASELINE[variant], ratio=cell["median"] / base_median,
                             ratio_per_rep=paired,
-                            overhead_ms=1000 / cell["median"] - 1000 / base_median)
+                            overhead_ms=1000 / cell["median"] - 1000 / base_median,
+                            cpu_overhead_ms=cell["cpu_ms_per_step"]
+                            - statistics.median(per_step[size, BASELINE[variant], "cpu_ms_per_step"]))
             out[size][variant] = cell
     return out
 
@@ -223,7 +232,8 @@ def markdown(result: dict[str, Any]) -> str:
              "mlp.py's model (10-50-1), SGD momentum 0.9, 16 samples per rank per step; the "
              "sleeping step sleeps inside the model's forward (a pre-hook, the same in every loop).",
              "", "| step | variant | baseline | steps/s median (min–max) | ratio (per rep) "
-             "| overhead ms/step | median step ms |", "|---|---|---|---|---|---|---|"]
+             "| overhead ms/step | median step ms | rank-0 CPU ms/step (overhead) |",
+             "|---|---|---|---|---|---|---|---|"]
     for size, by_variant in summary["cells"].items():
         for variant in VARIANTS:
             cell = by_variant.get(variant)
@@ -231,13 +241,15 @@ def markdown(result: dict[str, Any]) -> str:
                 continue
             rates = cell["steps_per_s"]
             ratio = overhead = "—"
+            cpu = f"{cell['cpu_ms_per_step']:.3f}"
             if "ratio" in cell:
+                cpu += f" ({cell['cpu_overhead_ms']:+.3f})"
                 reps = ", ".join(f"{r:.3f}" for r in cell["ratio_per_rep"])
                 ratio = f"**{cell['ratio']:.3f}** ({reps})"
                 overhead = f"{cell['overhead_ms']:+.3f}"
             lines.append(f"| {size} | {variant} | {cell.get('baseline', '—')} | {cell['median']:.1f} "
                          f"({min(rates):.1f}–{max(rates):.1f}) | {ratio} | {overhead} "
-                         f"| {cell['step_ms_p50']:.2f} |")
+                         f"| {cell['step_ms_p50']:.2f} | {cpu} |")
     lines += ["", f"Target (ratio >= {TARGET_RATIO} at {s['sleep_label']}): "
               + ", ".join(f"{v} **{verdict}**" for v, verdict in summary["verdicts"].items()), ""]
     lines += pieces_section(summary)

@@ -10,11 +10,13 @@ its SGD (lr 0.05, momentum 0.9), 4096 samples, 16 per rank per step. Modes:
     bare-loader  a plain DDP loop over DataLoader + torch's DistributedSampler
     dropin       that DataLoader loop with ElasticDistributedSampler + ElasticState.step_done
     trainer      ElasticTrainer over the same model, optimizer and batch_fn, as mlp.py builds it
+    trainer-noreseed  the same with TrainConfig(reseed_each_step=False): the reseed's cost in place
     pieces       each per-step piece of the elastic loops timed alone (``PIECES``)
 
 The clock is a forward pre-hook on the model, the one point every loop passes once per step
-(ElasticTrainer's own loop is not touched): it stamps ``time.perf_counter()`` and then
-sleeps ``--step-sleep`` s, the stand-in for a GPU step, in the same place in every mode.
+(ElasticTrainer's own loop is not touched): it stamps ``time.perf_counter()`` (and the
+process's CPU time) and then sleeps ``--step-sleep`` s, the stand-in for a GPU step, in the
+same place in every mode.
 Rank 0 writes the result JSON; steps/s = timed steps / (stamp[warmup + steps] - stamp[warmup]).
 """
 
@@ -53,7 +55,7 @@ from trainer.sampler import ElasticSampler
 from trainer.state import step_seed
 from trainer.worldlr import WorldLR
 
-MODES = ("bare", "bare-loader", "dropin", "trainer", "pieces")
+MODES = ("bare", "bare-loader", "dropin", "trainer", "trainer-noreseed", "pieces")
 SAMPLES, DATA_SEED, BATCH, LR, MOMENTUM, SEED = 4096, 1234, 16, 0.05, 0.9, 0
 # Between two timed collectives: longer than a loopback all-reduce, as a step is, so the
 # async agreement's reduction has finished when the next post reads it (its steady state).
@@ -61,15 +63,21 @@ COLLECTIVE_GAP_S = 0.002
 
 
 class StepClock:
-    """A forward pre-hook: a time stamp per step, then the step's stand-in sleep."""
+    """A forward pre-hook: a time stamp per step, then the step's stand-in sleep.
+
+    With the wall clock it stamps the process's CPU time (all its threads, gloo's too): on
+    a loaded machine a variant's wall time moves with its neighbours, its CPU time hardly.
+    """
 
     def __init__(self, model: nn.Module, sleep_s: float) -> None:
         self.sleep_s = sleep_s
         self.stamps: list[float] = []
+        self.cpu_stamps: list[float] = []
         model.register_forward_pre_hook(self._hook)
 
     def _hook(self, _module: nn.Module, _args: tuple) -> None:
         self.stamps.append(time.perf_counter())
+        self.cpu_stamps.append(time.process_time())
         if self.sleep_s:
             time.sleep(self.sleep_s)
 
@@ -80,7 +88,9 @@ class StepClock:
             raise RuntimeError(f"only {len(self.stamps)} steps ran; {warmup + steps + 1} needed")
         gaps_ms = sorted(1000 * (b - a) for a, b in zip(window, window[1:], strict=False))
         total = window[-1] - window[0]
+        cpu = self.cpu_stamps[warmup + steps] - self.cpu_stamps[warmup]
         return {"steps": steps, "seconds": total, "steps_per_s": steps / total,
+                "cpu_ms_per_step": 1000 * cpu / steps,
                 "step_ms_mean": 1000 * total / steps, "step_ms_p50": statistics.median(gaps_ms),
                 "step_ms_p90": gaps_ms[int(0.9 * (len(gaps_ms) - 1))], "step_ms_max": gaps_ms[-1]}
 
@@ -155,11 +165,11 @@ def run_loader(total: int, sleep_s: float, elastic: bool) -> StepClock:
     return clock
 
 
-def run_trainer(total: int, sleep_s: float) -> StepClock:
+def run_trainer(total: int, sleep_s: float, reseed: bool = True) -> StepClock:
     """ElasticTrainer as trainer/examples/mlp.py (common.train) builds it."""
     x, y, model, optimizer = workload()
     clock = StepClock(model, sleep_s)
-    config = TrainConfig(micro_batch=BATCH, max_steps=total, seed=SEED)
+    config = TrainConfig(micro_batch=BATCH, max_steps=total, seed=SEED, reseed_each_step=reseed)
     trainer = ElasticTrainer(model, optimizer, len(x), lambda idx: (x[idx], y[idx]),
                              per_sample_loss, config, ctx=ElasticContext.from_env())
     code = trainer.run()
@@ -386,7 +396,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         runners = {"bare": lambda: run_bare(total, args.step_sleep),
                    "bare-loader": lambda: run_loader(total, args.step_sleep, elastic=False),
                    "dropin": lambda: run_loader(total, args.step_sleep, elastic=True),
-                   "trainer": lambda: run_trainer(total, args.step_sleep)}
+                   "trainer": lambda: run_trainer(total, args.step_sleep),
+                   "trainer-noreseed": lambda: run_trainer(total, args.step_sleep, reseed=False)}
         result = runners[args.mode]().result(args.warmup, args.steps)
         result["warmup"] = args.warmup
     if dist.is_initialized() and dist.get_world_size() > 1:
