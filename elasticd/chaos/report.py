@@ -65,6 +65,11 @@ def to_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# A lane breaks where a node did not step for this long: longer than the invariants' stall,
+# so that a loaded machine's slow steps do not shred the lanes.
+LANE_GAP_S = 2.5 * STALL_S
+
+
 def _segments(records: list[dict]) -> list[tuple[float, float, int]]:
     """(start, end, world size) runs of consecutive steps without an interruption."""
     out: list[tuple[float, float, int]] = []
@@ -72,7 +77,7 @@ def _segments(records: list[dict]) -> list[tuple[float, float, int]]:
         if r["event"] not in ("step", "checkpoint"):
             continue
         t, w = r["time"], r["world_size"]
-        if out and out[-1][2] == w and t - out[-1][1] <= STALL_S:
+        if out and out[-1][2] == w and t - out[-1][1] <= LANE_GAP_S:
             out[-1] = (out[-1][0], t, w)
         else:
             out.append((t, t, w))
@@ -87,8 +92,9 @@ def draw(result: RunResult, metrics: list[FaultMetrics], png: Path, passed: bool
 
     t0 = result.t_formed or result.t_start
     names = sorted(result.progress)
-    fig, (lanes, steps) = plt.subplots(2, 1, figsize=(13, 2.2 + 0.55 * len(names) + 3), sharex=True,
+    fig, (lanes, steps) = plt.subplots(2, 1, figsize=(15, 2.2 + 0.55 * len(names) + 3), sharex=True,
                                        gridspec_kw={"height_ratios": [0.55 * len(names) + 0.6, 3]})
+    fig.subplots_adjust(right=0.76)
     seen_worlds = set()
     for y, name in enumerate(names):
         for start, end, world in _segments(result.progress[name]):
@@ -111,28 +117,33 @@ def draw(result: RunResult, metrics: list[FaultMetrics], png: Path, passed: bool
                ms=6, label="resumed from")
     by_index = {m.index: m for m in metrics}
     top = max((r["step"] for r in done), default=1)
+    legend = []
     for f in result.faults:
+        m = by_index.get(f.index)
+        where = f" on {f.target}" if f.target else ""
+        cost = f": {m.recovery_s} s, {m.steps_lost} lost" if m else f": {f.error}"
+        legend.append(f"#{f.index} {f.kind}{where}{cost}")
         if f.t_inject is None:
             continue
         x = f.t_inject - t0
         for ax in (lanes, steps):
             ax.axvline(x, color="crimson", ls="--", lw=0.8)
-        m = by_index.get(f.index)
-        label = f"#{f.index} {f.kind}" + (f" on {f.target}" if f.target else "")
-        if m and m.recovery_s:
-            steps.annotate("", xy=(x + m.recovery_s, top * 0.05), xytext=(x, top * 0.05),
-                           arrowprops={"arrowstyle": "->", "color": "green"})
-            label += f"\n{m.recovery_s} s, {m.steps_lost} lost"
-        steps.text(x, top * (0.98 - 0.09 * (f.index % 4)), label, fontsize=7, rotation=0, va="top",
+        # Only the number by the line (faults come seconds apart); the list is beside.
+        steps.text(x, top * (0.99 - 0.06 * (f.index % 3)), f"#{f.index}", fontsize=8, va="top",
                    color="crimson")
+        if m and m.recovery_s:
+            y = top * (0.03 + 0.04 * (f.index % 3))
+            steps.annotate("", xy=(x + m.recovery_s, y), xytext=(x, y),
+                           arrowprops={"arrowstyle": "->", "color": "green"})
+    fig.text(0.775, 0.5, "faults (recovery, steps lost):\n" + "\n".join(legend), fontsize=8,
+             va="center", family="monospace")
     steps.set_xlabel("seconds since the first world of all nodes")
     steps.set_ylabel("step")
     steps.legend(loc="lower right", fontsize=8)
     verdict = "every invariant holds" if passed else "an invariant FAILED (see chaos.md)"
     lanes.set_title(f"chaos, seed {result.scenario.seed}: {len(result.faults)} faults on "
                     f"{result.scenario.nodes} nodes; {verdict}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    fig.savefig(png, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
