@@ -32,6 +32,7 @@ def to_json(result: RunResult, checks: list[Check], metrics: list[FaultMetrics],
         "duration_s": round(result.t_end - result.t_start, 1),
         "t_start": result.t_start, "t_formed": result.t_formed,
         "exit_codes": result.exit_codes,
+        "etcd": result.etcd,
         "faults": [f.to_dict() | {"metrics": by_index[f.index].to_dict() if f.index in by_index else None}
                    for f in result.faults],
         "invariants": [c.to_dict() for c in checks],
@@ -49,7 +50,8 @@ def to_markdown(report: dict[str, Any]) -> str:
     lines = [f"# Chaos run: {verdict}", "",
              f"{sc['nodes']} nodes, 1 etcd member, {len(sc['faults'])} faults, job of "
              f"{sc['final_step']} steps (checkpoint every {sc['every_steps']}), seed {report['seed']}, "
-             f"{report['duration_s']} s.", "", f"Replay: `{report['replay']}`", "",
+             f"{report['duration_s']} s; etcd: `{report.get('etcd') or '?'}`.", "",
+             f"Replay: `{report['replay']}`", "",
              "| # | fault | target | at step | recovery s | back to full world s | steps lost | detail |",
              "|---|---|---|---|---|---|---|---|"]
     for f in report["faults"]:

@@ -28,6 +28,7 @@ from elasticd import proctree
 from elasticd.chaos.faults import INJECTORS, Detail, InjectionError, Injector, Target, workers_of
 from elasticd.chaos.oracle import Run
 from elasticd.chaos.scenario import FaultSpec, Scenario
+from elasticd.embedded_etcd import etcd_version
 from elasticd.local_cluster import MLP, Cluster, DaemonNode, _identity, describe, local_cluster, stepping_at
 
 # The job the oracle replays: small enough that a step costs ~nothing beyond its sleep.
@@ -85,6 +86,7 @@ class RunResult:
     corrupted: dict[str, int]          # checkpoint files damaged on purpose -> step
     leftover: list[str]                # processes still alive after the cluster stopped
     error: str | None = None
+    etcd: str = ""                     # the etcd server's binary and version
 
     @property
     def ckpt_dir(self) -> Path:
@@ -157,9 +159,13 @@ def _one_fault(i: int, spec: FaultSpec, cluster_nodes: list[DaemonNode], t: Targ
     say(f"fault {i} {spec.kind} on {rec.target or 'the cluster'} at step {rec.step}: {rec.detail}")
     n = len(cluster_nodes)
     renewed = (lambda: replaced(hit, old)) if injector.replaces_workers and hit else None
-    rec.t_recovered = wait_stable(cluster_nodes, n, rec.t_heal, RECOVER_TIMEOUT_S, extra=renewed)
+    rec.t_recovered = wait_stable(cluster_nodes, n, rec.t_heal, RECOVER_TIMEOUT_S, extra=renewed,
+                                  abort=lambda: completed(cluster_nodes))
     if rec.t_recovered is not None:
         say(f"  recovered: a world of {n} again after {rec.t_recovered - rec.t_inject:.1f} s")
+    elif completed(cluster_nodes):
+        rec.error = (f"the job completed before a world of {n} was back: the scenario needs a "
+                     "later final_step (or a larger step_sleep)")
     else:
         rec.error = f"no world of {n} within {RECOVER_TIMEOUT_S:.0f} s of the heal"
         say(f"  {rec.error}")
@@ -175,14 +181,19 @@ def replaced(node: DaemonNode, old: set[tuple[int, float] | None]) -> bool:
 
 def wait_stable(nodes: list[DaemonNode], world: int, since: float, timeout_s: float,
                 settle_s: float = SETTLE_S, clock: Callable[[], float] = time.time,
-                extra: Callable[[], bool] | None = None) -> float | None:
+                extra: Callable[[], bool] | None = None,
+                abort: Callable[[], bool] | None = None) -> float | None:
     """The moment from which every node has stepped in a world of ``world`` (each within
     FRESH_S of every poll) and ``extra()`` held, for ``settle_s`` without a break, after
-    ``since``; None if that did not happen within ``timeout_s``."""
+    ``since``; None if that did not happen within ``timeout_s`` or ``abort()`` came first."""
     start: float | None = None
+    aborted = False
 
     def settled() -> bool:
-        nonlocal start
+        nonlocal start, aborted
+        if abort and abort():
+            aborted = True
+            return True
         now = clock()
         if not stepping_at(nodes, world, max(since, now - FRESH_S)) or (extra and not extra()):
             start = None
@@ -190,12 +201,18 @@ def wait_stable(nodes: list[DaemonNode], world: int, since: float, timeout_s: fl
         start = now if start is None else start
         return now - start >= settle_s
 
-    return start if _wait(settled, timeout_s + settle_s) else None
+    return start if _wait(settled, timeout_s + settle_s) and not aborted else None
 
 
-def _finish_timeout(sc: Scenario) -> float:
-    # The remaining steps at a pessimistic 4x the step's sleep, plus a restart's worth.
-    return sc.final_step * (sc.step_sleep + 0.02) * 4 + 120
+def completed(nodes: list[DaemonNode]) -> bool:
+    """Some node's workers reported the job's completion (or no daemon runs any more)."""
+    return _ended(nodes) or any((n.progress() or {}).get("event") == "completed" for n in nodes)
+
+
+def _finish_timeout(sc: Scenario, step: int = 0) -> float:
+    # The steps left at a loaded machine's pace (measured: 0.3 s a step beyond the sleep
+    # at a load average of 50 on 2 cores), plus a restart's worth.
+    return (sc.final_step - step) * (sc.step_sleep + 0.3) + 120
 
 
 def run_scenario(sc: Scenario, root: Path, *, job: str = "chaos", run: Run = RUN,
@@ -224,11 +241,12 @@ def run_scenario(sc: Scenario, root: Path, *, job: str = "chaos", run: Run = RUN
             error = f"no world of {sc.nodes} within {FORM_TIMEOUT_S:.0f} s"
             codes = {n.name: n.proc.poll() if n.proc else None for n in nodes}
         progress = {n.name: progress_records(n) for n in nodes}
+        etcd = f"{cluster.etcd.binary} ({etcd_version(cluster.etcd.binary)})"
     proctree.reap_children()
     left = [*cluster.leftover, *(describe(p) for p in proctree.descendants()
                                  if _identity(p) not in before)]
     return RunResult(sc, root, run, faults, t_start, t_formed, time.time(), codes, progress,
-                     dict(target.corrupted), left, error)
+                     dict(target.corrupted), left, error, etcd)
 
 
 def _identities() -> set[tuple[int, float]]:
@@ -268,7 +286,7 @@ def _ended(nodes: list[DaemonNode]) -> bool:
 
 def _finish(nodes: list[DaemonNode], sc: Scenario, say: Say) -> dict[str, int | None]:
     """Every daemon exits by itself once the job completes (None: it had to be killed)."""
-    if _wait(lambda: not any(n.running() for n in nodes), _finish_timeout(sc)):
+    if _wait(lambda: not any(n.running() for n in nodes), _finish_timeout(sc, _step_now(nodes))):
         say(f"job completed at step {_step_now(nodes) or sc.final_step}")
     else:
         say("the job did not complete in time")

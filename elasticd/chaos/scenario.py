@@ -54,7 +54,9 @@ class Scenario:
     nodes: int = 3
     final_step: int = 1500
     every_steps: int = 20          # the job's checkpoint interval
-    step_sleep: float = 0.05       # per step, so that faults land mid-job on a 2-core box
+    # Per step: the sleep dominates a step, so that the step rate (and the steps a fault's
+    # recovery takes) does not swing with the machine's load.
+    step_sleep: float = 0.1
     etcd_members: int = 1
     name: str = field(default="")
 
@@ -119,7 +121,7 @@ def from_dict(raw: dict[str, Any], kinds: Sequence[str] | None = None, name: str
     final_step = _int(raw, "final_step", 1500, 10)
     every = _int(raw, "every_steps", 20, 1)
     members = _int(raw, "etcd_members", 1, 1, 1)  # 3-member clusters: not yet (see README)
-    sleep = raw.get("step_sleep", 0.05)
+    sleep = raw.get("step_sleep", 0.1)
     if not isinstance(sleep, (int, float)) or isinstance(sleep, bool) or not 0 <= sleep <= 5:
         raise ScenarioError(f"step_sleep = {sleep!r}: seconds in 0..5")
     items = raw.get("fault", raw.get("faults", []))
