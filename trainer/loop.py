@@ -49,7 +49,7 @@ from trainer.errors import ConfigError
 from trainer.exitcodes import FAILURE_EXIT_CODE, STOP_EXIT_CODE
 from trainer.lr import Schedule
 from trainer.sampler import ElasticSampler
-from trainer.state import TrainState, step_seed
+from trainer.state import TrainState, reseed, step_seed
 
 log = structlog.get_logger(__name__)
 
@@ -343,7 +343,7 @@ class ElasticTrainer:
         indices = st.sampler.next_indices(self.plan.global_batch)
         mine = shard(indices, ctx.world_size, ctx.rank)
         if self.config.reseed_each_step:
-            torch.manual_seed(step_seed(self.config.seed, st.step, ctx.rank))
+            reseed(step_seed(self.config.seed, st.step, ctx.rank), self.device)
         st.optimizer.zero_grad(set_to_none=True)
         loss_sum = self._accumulate(micro_batches(mine, self.plan.accum), len(indices), indices[0])
         st.optimizer.step()

@@ -112,3 +112,15 @@ class TrainState:
 def step_seed(seed: int, step: int, rank: int) -> int:
     """The RNG seed of ``rank`` during ``step``: independent streams, reproducible on resume."""
     return int(np.random.SeedSequence([seed, step, rank]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def reseed(seed: int, device: torch.device) -> None:
+    """Seed the generators a step on ``device`` draws from: the CPU's, and the GPU's on CUDA.
+
+    Not ``torch.manual_seed``: that also walks every accelerator backend (CUDA's lazy
+    queue, MPS, XPU, custom devices) and cost 0.3-1.9 ms per call here against 5 us for
+    the generator itself, a few percent of a 50 ms step when done every step.
+    """
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.default_generators[device.index or 0].manual_seed(seed)

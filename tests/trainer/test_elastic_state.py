@@ -235,3 +235,13 @@ def test_the_formula_is_the_schedulers():
         assert math.isclose(opt.param_groups[0]["lr"], want, rel_tol=1e-12, abs_tol=1e-15)
         _step(model, opt)
         sched.step()
+
+
+def test_reseed_draws_what_torch_manual_seed_draws():
+    from trainer.state import reseed
+
+    torch.manual_seed(1234)
+    want = torch.rand(5)
+    torch.manual_seed(99)
+    reseed(1234, torch.device("cpu"))
+    assert torch.equal(torch.rand(5), want)
