@@ -89,6 +89,13 @@ def workers_of(node: DaemonNode) -> list[psutil.Process]:
     return out
 
 
+def first_worker(node: DaemonNode) -> psutil.Process:
+    workers = workers_of(node)
+    if not workers:
+        raise InjectionError(f"node {node.name} has no live worker")
+    return workers[0]
+
+
 def _alive(proc: psutil.Process) -> bool:
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
@@ -140,10 +147,7 @@ class WorkerKill(Injector):
     summary = "SIGKILL one training worker of the node"
 
     def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
-        workers = workers_of(victim)
-        if not workers:
-            raise InjectionError(f"node {victim.name} has no live worker")
-        return _sigkill(workers[0])
+        return _sigkill(first_worker(victim))
 
 
 class OomKill(Injector):
@@ -374,13 +378,11 @@ class CheckpointWriteKill(Injector):
     target_rule = "rank0"
 
     def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
-        workers = workers_of(victim)
-        if not workers:
-            raise InjectionError(f"node {victim.name} has no live worker")
+        worker = first_worker(victim)
         log = victim.worker_logs()[0]
         if not _wait_for_line(log, b"checkpoint started", timeout_s=60):
             raise InjectionError(f"no checkpoint started on {victim.name} within 60 s")
-        detail = _sigkill(workers[0]) | {"t_fired": time.time()}
+        detail = _sigkill(worker) | {"t_fired": time.time()}
         # What the kill caught (a write not yet committed), for the report.
         return {**detail, "in_flight": _writes_in_flight(t.ckpt_dir)}
 
