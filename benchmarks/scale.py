@@ -552,6 +552,10 @@ FIGURES: list[tuple[str, str, str, Callable[[dict], float | None]]] = [
 
 
 def figure(cell: dict, key: str) -> float | None:
+    """``key`` of ``cell``; None where it was not measured. A cell whose first world never
+    formed has no steady state (its window after the cap is a rendezvous still trying)."""
+    if key not in ("form_s", "reform_s") and not cell.get("form", {}).get("formed"):
+        return None
     getter = next(g for k, _, _, g in FIGURES if k == key)
     value = getter(cell)
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else value
@@ -616,7 +620,9 @@ def plot(cells: list[dict], prefix: Path) -> list[str]:
             missed = [(n, part["timeout_s"]) for n, part in missed if part.get("timeout_s")]
             if missed:
                 drawn = True
-                ax.scatter([n for n, _ in missed], [cap for _, cap in missed], marker="x", s=70,
+                # Nudged apart in N so that systems missing the same cap stay visible.
+                nudge = 1 + 0.07 * (SYSTEMS.index(system) - 1.5)
+                ax.scatter([n * nudge for n, _ in missed], [cap for _, cap in missed], marker="x", s=70,
                            color=colors[system], label=f"{system}: not within the cap", zorder=5)
         if not drawn:
             plt.close(fig)
@@ -671,21 +677,28 @@ def markdown(result: dict[str, Any]) -> str:
     ]
     for c in cells:
         form, reform, steady = c.get("form", {}), c.get("reform", {}), c.get("steady", {})
-        formed = (f"{form['form_s']:.2f} s" if form.get("form_s") is not None
-                  else f"not in {form.get('timeout_s', 0):.0f} s (largest {form.get('largest_world')})"
-                  if form else c.get("error", "-"))
-        reformed = (f"{reform['reform_s']:.2f} s" if reform.get("reform_s") is not None
-                    else reform.get("skipped") or (f"not in {reform.get('timeout_s', 0):.0f} s"
-                                                   if reform else "-"))
+        busy = "*" if form.get("window", {}).get("saturated") else ""
+        formed = (f"{form['form_s']:.2f} s{busy}" if form.get("form_s") is not None
+                  else f"not in {form.get('timeout_s', 0):.0f} s{busy}" if form
+                  else c.get("error", "-"))
         window = reform.get("window", {})
+        busy = "*" if window.get("saturated") else ""
+        reformed = (f"{reform['reform_s']:.2f} s{busy}" if reform.get("reform_s") is not None
+                    else "-" if reform.get("skipped") or not reform
+                    else f"not in {reform.get('timeout_s', 0):.0f} s{busy} (largest world "
+                         f"{reform.get('largest_world')}, first at {reform.get('first_survivor_s')} s)")
+        # Steady-state figures only where a world formed (else the window is still forming).
+        fig = {key: figure(c, key) for key, *_ in FIGURES}
         lines.append(
             f"| {c['system']} | {c['nodes']} | {formed} | {reformed} | "
-            f"{_fmt(steady.get('etcd_requests_per_node_s'))} | "
-            f"{_fmt(window.get('etcd_requests_per_node_s'))} | "
-            f"{_fmt(steady.get('etcd_bytes_per_node_s'), 0)} | "
-            f"{_fmt(window.get('etcd_bytes_per_node_s'), 0)} | "
-            f"{_fmt(steady.get('cpu_per_node'), 4)} | {_fmt(steady.get('probes_per_node_s'), 1)} | "
+            f"{_fmt(fig['etcd_req_steady'])} | {_fmt(fig['etcd_req_reform'])} | "
+            f"{_fmt(fig['etcd_bytes_steady'], 0)} | {_fmt(fig['etcd_bytes_reform'], 0)} | "
+            f"{_fmt(fig['cpu_steady'], 4)} | {_fmt(fig['probes_steady'], 1)} | "
             f"{_fmt((steady.get('load') or [None])[0], 1)} |")
+    lines += ["", "\\* the nodes and their store used >= 85% of this machine's cores in that "
+              "window: the time is the machine's, not a cluster's. `-` under steady state: the "
+              "first world never formed, so there was none (the JSON keeps that window's "
+              "figures, a rendezvous still forming)."]
     lines += ["", "Requests: etcd's `grpc_server_msg_received_total` (unary calls and stream "
               "messages: lease keep-alives, watch creations). Bytes: in + out "
               "(`etcd_network_client_grpc_*_bytes_total`). c10d has no etcd: its store's CPU "
@@ -693,23 +706,28 @@ def markdown(result: dict[str, Any]) -> str:
               "## Where the requests go (steady state, per node per second)", ""]
     for c in cells:
         steady = c.get("steady", {})
-        if steady.get("etcd_requests_by_method"):
+        if steady.get("etcd_requests_by_method") and c.get("form", {}).get("formed"):
             methods = ", ".join(f"{m} {v:.2f}" for m, v in steady["etcd_requests_by_method"].items())
             calls = ", ".join(f"{k} {v:.2f}" for k, v in steady["client_calls_by_kind"].items()
                               if v >= 0.01)
             lines.append(f"- {c['system']} N={c['nodes']}: etcd sees {methods}; the clients "
                          f"call {calls}")
     lines += ["", "## etcd state at steady state", "",
-              "| system | N | watchers | keys | db bytes | revision | writes while forming |",
-              "|---|---|---|---|---|---|---|"]
+              "| system | N | watchers | keys | db bytes | db growth B/s | rdzv state bytes | "
+              "writes while forming | formed |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         s = c.get("steady", {}).get("state", {})
         if s:
             lines.append(f"| {c['system']} | {c['nodes']} | {_fmt(s.get('watchers'), 0)} | "
                          f"{_fmt(s.get('keys'), 0)} | {_fmt(s.get('db_bytes'), 0)} | "
-                         f"{_fmt(s.get('revision'), 0)} | "
-                         f"{_fmt(c.get('form', {}).get('window', {}).get('etcd_writes'), 0)} |")
+                         f"{_fmt(c['steady'].get('db_growth_bytes_per_s'), 0)} | "
+                         f"{_fmt(c['steady'].get('rdzv_state_bytes'), 0)} | "
+                         f"{_fmt(c.get('form', {}).get('window', {}).get('etcd_writes'), 0)} | "
+                         f"{'yes' if c.get('form', {}).get('formed') else 'no'} |")
     lines += ["", f"## Power-law fits, extrapolated to {PROJECT_TO} nodes", "",
+              "Over the cells that formed (N >= 32 where two did, else all): a fit through two "
+              "points is a slope, not a law; docs/scale.md projects from the mechanisms.", "",
               "| system | figure | exponent | at 2,048 |", "|---|---|---|---|"]
     for system, fits in result["projection"].items():
         for key, title, unit, _ in FIGURES:
