@@ -56,10 +56,6 @@ def _exit_on(signum: int, _frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    # A background job of a non-interactive shell starts with SIGINT ignored (seen: the
-    # run could not be interrupted); SIGTERM would kill it without its cleanup.
-    signal.signal(signal.SIGINT, _exit_on)
-    signal.signal(signal.SIGTERM, _exit_on)
     if args.list:
         for name, cls in INJECTORS.items():
             print(f"{name:24} {cls.summary}")
@@ -70,11 +66,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bad scenario: {exc}", file=sys.stderr)
         return 2
     root = args.out / "cluster" if args.keep else Path(tempfile.mkdtemp(prefix="elasticd-chaos-"))
+    # A background job of a non-interactive shell starts with SIGINT ignored (seen: the
+    # run could not be interrupted); SIGTERM would kill it without its cleanup.
+    previous = {sig: signal.signal(sig, _exit_on) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         result = run_scenario(sc, root)
         checks, metrics = check_all(result)
         report = write(result, checks, metrics, args.out)
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     for c in checks:

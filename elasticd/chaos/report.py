@@ -152,9 +152,9 @@ def draw(result: RunResult, metrics: list[FaultMetrics], png: Path, passed: bool
 def write(result: RunResult, checks: list[Check], metrics: list[FaultMetrics], out: Path,
           stem: str = "chaos") -> dict[str, Any]:
     """Write ``<stem>.json``, ``.md``, ``.png`` and the scenario that replays the run
-    (``<stem>-scenario.json``) under ``out``; returns the JSON report."""
+    (``<stem>.scenario.json``) under ``out``; returns the JSON report."""
     out.mkdir(parents=True, exist_ok=True)
-    scenario_file = out / f"{stem}-scenario.json"
+    scenario_file = out / f"{stem}.scenario.json"
     scenario_file.write_text(json.dumps(result.scenario.to_dict(), indent=1) + "\n")
     report = to_json(result, checks, metrics, scenario_file)
     (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")

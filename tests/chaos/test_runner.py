@@ -82,3 +82,16 @@ def test_every_injector_is_drawable_and_named_once():
     sc = draw(0, INJECTORS)
     assert sorted(f.kind for f in sc.faults) == sorted(INJECTORS)
     assert all(cls.name == name and cls.summary for name, cls in INJECTORS.items())
+
+
+def test_the_command_line_lists_the_faults_and_refuses_a_bad_scenario(tmp_path, capsys):
+    from elasticd.chaos.__main__ import main
+
+    assert main(["--list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in INJECTORS)
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[fault]]\nkind = "meteor"\nat_step = 3\n')
+    assert main(["--scenario", str(bad), "--out", str(tmp_path / "out")]) == 2
+    assert "kind 'meteor' is not one of" in capsys.readouterr().err
+    assert main(["--seed", "1", "--faults", "node-kill,meteor"]) == 2
