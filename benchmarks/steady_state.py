@@ -224,10 +224,11 @@ def summarize(runs: list[dict[str, Any]], sleep_label: str) -> dict[str, Any]:
 
 def markdown(result: dict[str, Any]) -> str:
     s, summary = result["settings"], result["summary"]
+    ran = len({r["rep"] for r in result["runs"] if r["variant"] != "pieces"})
     lines = ["# Steady-state cost: bare DDP vs the drop-in blocks vs ElasticTrainer", "",
              f"`python -m benchmarks.steady_state {s['argv']}` on {result['machine']['cpus']} CPUs "
              f"({result['machine']['cpu_model']}), torch {result['machine']['torch']}, 2 ranks, gloo, "
-             f"OMP_NUM_THREADS=1; {s['reps']} interleaved repetitions; load average "
+             f"OMP_NUM_THREADS=1; {ran} of {s['reps']} interleaved repetitions ran; load average "
              f"{result['load_start'][0]:.1f} at the start, {result.get('load_end', ['?'])[0]} at the end. "
              "mlp.py's model (10-50-1), SGD momentum 0.9, 16 samples per rank per step; the "
              "sleeping step sleeps inside the model's forward (a pre-hook, the same in every loop).",
@@ -313,13 +314,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wait-quiet-s", type=float, default=0.0,
                    help="first wait up to this long for a quiet machine (see --quiet-load)")
     p.add_argument("--quiet-load", type=float, default=0.8, help="the 1-min load that is quiet")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: rewrite OUT.md from OUT.json (e.g. of a run cut short)")
     return p.parse_args(argv)
+
+
+def report_only(json_path: Path, md_path: Path) -> None:
+    """Re-summarise the runs in ``json_path`` and write the markdown (no launch)."""
+    result = json.loads(json_path.read_text())
+    result["summary"] = summarize(result["runs"], result["settings"]["sleep_label"])
+    result.setdefault("load_end", loadavg())
+    json_path.write_text(json.dumps(result, indent=1))
+    md_path.write_text(markdown(result))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     proctree.become_subreaper()  # torchrun's workers are re-parented to us, not to init
     json_path, md_path = Path(f"{args.out}.json"), Path(f"{args.out}.md")
+    if args.report_only:
+        report_only(json_path, md_path)
+        print(md_path.read_text())
+        return 0
     json_path.parent.mkdir(parents=True, exist_ok=True)
     by_size = sizes(args)
     sleep_label = next(label for label in by_size if label != "tiny")

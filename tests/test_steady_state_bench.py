@@ -56,6 +56,7 @@ def test_one_variant_at_world_one_and_the_report(tmp_path: Path) -> None:
     assert summary["cells"]["50ms"]["trainer"]["ratio"] == 1.0
     assert summary["verdicts"] == {"dropin": "met", "trainer": "met"}
     report = {"settings": {"argv": "", "reps": 2, "sleep_label": "50ms"}, "summary": summary,
+              "runs": runs,
               "machine": {"cpus": os.cpu_count(), "cpu_model": "?", "torch": "?"},
               "load_start": [0.0, 0.0, 0.0], "load_end": [0.0, 0.0, 0.0]}
     text = steady_state.markdown(report)
