@@ -219,7 +219,8 @@ class Agreement:
         previous = self.result()
         flag = 1.0 if stop else 0.0
         if self.device.type == "cpu":  # one tensor build (the writes below cost ~65 us here)
-            loss = 0.0 if loss_sum is None else float(loss_sum)
+            loss = loss_sum.detach() if isinstance(loss_sum, torch.Tensor) else loss_sum
+            loss = 0.0 if loss is None else float(loss)
             buf = torch.tensor([flag, loss], dtype=torch.float64)
         else:  # no .item(): reading a device loss would wait for the step queued behind it
             buf = torch.zeros(2, dtype=torch.float64, device=self.device)
