@@ -76,7 +76,9 @@ def _checked(node: DaemonNode, ckpt: Path) -> dict[int, dict]:
 @pytest.mark.parametrize("victim_rank0", [False, True], ids=["node", "rank0-node"])
 def test_the_converted_loop_survives_a_node_crash(job, tmp_path, victim_rank0):
     add, nodes = job
-    three = world_of_three(add)
+    # Past a checkpoint of the world of 3 (every 10 steps): a rank-0 node's crash loses
+    # the steps since (nobody else can commit them), and the history must still hold 3.
+    three = world_of_three(add, at_step=25)
     _, survivors, since = lose_one(three, nodes, rank0=victim_rank0, within_s=60)
     completed(survivors)
     rank0 = by_rank(survivors, True)
