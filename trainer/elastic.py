@@ -145,9 +145,9 @@ class ElasticState:
         return self.state.step
 
     def supervise(self) -> None:
-        """The orphan watchdog, the stop signals and the uncaught-exception exit."""
+        """The orphan watchdog and the uncaught-exception exit; the stop signals once the
+        process group is up (``start``)."""
         self.watchdog.start()
-        self.stop.install()
         previous = sys.excepthook
 
         def on_uncaught(kind, exc, tb) -> None:  # noqa: ANN001 - sys.excepthook's signature
@@ -159,8 +159,14 @@ class ElasticState:
         sys.excepthook = on_uncaught
 
     def start(self, device: torch.device | None = None) -> None:
-        """Join the process group (if the script has not), open checkpoints, resume."""
+        """Join the process group (if the script has not), catch the stop signals, open
+        checkpoints, resume."""
         self.device = device or tdist.init_distributed(self.ctx)
+        # Only now: a worker blocked in the process group's connect (C++, so a Python
+        # handler never runs) must die of SIGTERM at once, not 30 s later by torchrun's
+        # SIGKILL (seen by the chaos suite); before the first step there is nothing to
+        # commit anyway.
+        self.stop.install()
         self.agreement = tdist.Agreement(self.device)
         self.open_checkpoints()
         self.resume()

@@ -184,7 +184,7 @@ class ElasticTrainer:
         self.device = tdist.init_distributed(self.ctx, self.config.backend, self.config.timeout)
         self.state.model.to(self.device)
         self._install_guard()
-        self.es.start(self.device)
+        self.es.start(self.device)  # the stop signals are caught from here (see start)
         self.ddp = tdist.wrap_ddp(self.state.model, self.device, **self.config.ddp_kwargs)
 
     def _close(self) -> StaleGenerationError | None:

@@ -9,12 +9,18 @@ recursive schedulers too (no compounding).
 from __future__ import annotations
 
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from elasticd.embedded_etcd import free_port
+from tests.trainer.launch import EXAMPLES
 from trainer import dist as tdist
 from trainer.context import ElasticContext
 from trainer.distributed_sampler import ElasticDistributedSampler
@@ -22,7 +28,10 @@ from trainer.elastic import ElasticState
 from trainer.errors import ConfigError
 from trainer.examples import regression
 from trainer.lr import start_scale
+from trainer.stop import STOP_SIGNALS
 from trainer.worldlr import WorldLR
+
+REPO = EXAMPLES.parents[1]
 
 SCHEDULERS = {
     "lambda": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + 0.1 * s)),
@@ -124,9 +133,12 @@ def world_of_one(monkeypatch, tmp_path):
     monkeypatch.setenv("MASTER_PORT", str(port))
     ctx = ElasticContext.single_process(master_port=port, checkpoint_dir=str(tmp_path / "ckpt"),
                                         checkpoint_every_steps=4, lr_base_world_size=2)
+    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     tdist.init_distributed(ctx)
     yield ctx
     tdist.shutdown()
+    for sig, handler in handlers.items():  # ElasticState.start caught them in this process
+        signal.signal(sig, handler)
 
 
 ARGS = regression.arguments("test", ["--samples=40", "--batch-size=8", "--warmup-steps=3",
@@ -245,3 +257,34 @@ def test_reseed_draws_what_torch_manual_seed_draws():
     torch.manual_seed(99)
     reseed(1234, torch.device("cpu"))
     assert torch.equal(torch.rand(5), want)
+
+
+STARTING = """
+import torch
+from trainer.examples import mlp
+from trainer.loop import ElasticTrainer, TrainConfig
+x, y = mlp.make_data(8, 0, torch.float64)
+model = mlp.make_model(torch.float64)
+print("building", flush=True)
+ElasticTrainer(model, mlp.make_optimizer(model, 0.1, 0.0), 8, lambda i: (x[i], y[i]),
+               mlp.per_sample_loss, TrainConfig(micro_batch=2, max_steps=1)).run()
+"""
+
+
+def test_a_worker_still_joining_its_process_group_dies_of_sigterm_at_once(tmp_path):
+    """Rank 1 of 2 whose rank 0 never comes: blocked in the store's connect (C++), where a
+    Python handler never runs. torchrun's SIGTERM must end it, not its SIGKILL 30 s later."""
+    env = dict(os.environ, RANK="1", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-c", STARTING], env=env, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "building"
+        time.sleep(2.0)  # into init_process_group
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == -signal.SIGTERM
+        print(f"died {time.monotonic() - sent:.2f} s after SIGTERM")
+    finally:
+        proc.kill()
+        proc.wait()
