@@ -26,6 +26,15 @@ def main() -> None:
     """elasticd: keeps torchrun elastic training alive on preemptible nodes."""
 
 
+@main.command(context_settings={"ignore_unknown_options": True, "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def chaos(args: tuple[str, ...]) -> None:
+    """Run a chaos scenario on a local cluster (``python -m elasticd.chaos --help``)."""
+    from elasticd.chaos.__main__ import main as chaos_main
+
+    sys.exit(chaos_main(list(args)))
+
+
 @main.command()
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
               help="TOML config file (see deploy/config/).")
