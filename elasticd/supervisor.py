@@ -757,6 +757,13 @@ def _plan_shrink(snap: Snapshot, mem: Memory, deaths: list[Death]) -> tuple[Memo
         mem = replace(mem, in_place=InPlace(lost, snap.now, GenerationId(0), ""))
         mem, actions, _ = _in_place_fallback(snap, mem, "the workers report no generation")
         return mem, actions, " and restarting the local workers (they report no generation)"
+    if mem.step_at is None and mem.in_place is None:
+        # Our workers have not stepped since they were (re)started: the generation their
+        # progress names is the previous group's, which no longer exists to re-form (seen by
+        # the chaos suite: a drain's coordinated stop restarted them in the cycle the leaver
+        # was found gone, and the re-form's timer then killed the new group mid-start: 6
+        # steps lost). The restart under way forms its round without the lost peer.
+        return mem, [], " and restarting the local workers (they have not stepped since they started)"
     fault = f"peer-{deaths[0].how}"
     ip = mem.in_place or InPlace((), snap.now, snap.generation, fault)
     ip = replace(ip, lost=tuple(sorted({*ip.lost, *(d.peer.node_id for d in deaths)})), agreed=False)

@@ -468,9 +468,9 @@ REC_WITHOUT_US = GenerationRecord(G1, renumber([("b", 2)]), "127.0.0.1:29601", (
 
 
 def lost_b(how: str = "crashed", **kw):
-    """The decision that peer b died, with our workers at generation G."""
+    """The decision that peer b died, with our workers stepping at generation G."""
     kw.setdefault("generation", G)
-    return d(live(**kw), replace(RUNNING, dead={"b": Death(B, how)}), INPLACE)
+    return d(live(**kw), replace(RUNNING, dead={"b": Death(B, how)}, step_at=T - 0.5), INPLACE)
 
 
 def agreed(how: str = "crashed") -> Memory:
@@ -487,6 +487,20 @@ def test_in_place_a_dead_peer_is_evicted_and_shrunk_not_killed():
     assert (shrink["lost"], shrink["cause"], shrink["generation"]) == (("b",), "peer-crashed", G)
     assert shrink["peers"] == (B,) and "re-forming the world in place" in out.reason
     assert out.memory.in_place == InPlace(("b",), T, G, "peer-crashed")
+
+
+def test_in_place_workers_restarted_in_the_same_cycle_take_the_restart_path():
+    """Seen by the chaos suite: a drain's coordinated stop restarted our workers in the cycle
+    the leaver was found gone; their progress still named the old group's generation, the
+    re-form's timer killed the new group mid-start and 6 steps were lost."""
+    new_group = frozenset({4242})
+    mem = replace(RUNNING, dead={"b": Death(B, "left")}, step_at=T - 0.5, step=44)
+    out = d(live(generation=G, workers=new_group, step=44), mem, INPLACE)
+    assert "the agent restarted its workers" in out.reason
+    assert Kind.SHRINK not in out.kinds() and out.memory.in_place is None
+    assert "restarting the local workers (they have not stepped" in out.reason
+    later = d(live(now=T + 8, generation=G, workers=new_group, step=44), out.memory, INPLACE)
+    assert Kind.KILL_WORKERS not in later.kinds()  # no re-form timer to run out
 
 
 def test_restart_mode_never_shrinks():
