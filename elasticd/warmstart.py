@@ -153,8 +153,12 @@ class WarmServer:
 def run_worker(request: dict[str, Any], fds: list[int]) -> int:
     """In the forked child: become the worker the client asked for and run its script."""
     os.setsid()  # its own session, as torchrun starts workers
-    for sig in (*FORWARDED, signal.SIGCHLD, signal.SIGPIPE):
+    for sig in (*FORWARDED, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
+    # What a cold interpreter does at start-up: a write to a closed socket raises EPIPE
+    # instead of killing the process. With SIG_DFL here, a worker whose gloo peer had just
+    # been SIGKILLed died of SIGPIPE (exit -13) and the in-place re-form lost its rank 0.
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     for target, fd in enumerate(fds[:3]):
         os.dup2(fd, target)
     for fd in fds:

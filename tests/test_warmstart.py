@@ -127,3 +127,16 @@ def test_an_uncaught_exception_goes_through_the_scripts_excepthook(server):
                          env=env, capture_output=True, text=True, timeout=60)
     assert (out.returncode, out.stdout) == (9, "hook saw peer gone\n"), out.stderr
     assert "RuntimeError: peer gone" in out.stderr  # the default hook's traceback, too
+
+
+def test_a_warm_worker_ignores_sigpipe_as_a_cold_interpreter_does(server):
+    """A write to a dead peer's socket must raise EPIPE, not kill the worker (exit -13)."""
+    root, sock, _ = server
+    (root / "pipe.py").write_text(
+        "import signal, sys\nprint(signal.getsignal(signal.SIGPIPE) is signal.SIG_IGN)\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    cold = subprocess.run([sys.executable, str(root / "pipe.py")], env=env, capture_output=True,
+                          text=True, timeout=60)
+    warm = subprocess.run([sys.executable, "-m", "elasticd.warmstart", str(sock), str(root / "pipe.py")],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert cold.stdout == warm.stdout == "True\n", (cold.stdout, warm.stdout, warm.stderr)
