@@ -21,9 +21,10 @@ the ratio to its baseline and the overhead ms/step = 1000/variant - 1000/baselin
 Target: ratio >= 0.98 at 50 ms for ``dropin`` and ``trainer``.
 
 Then ``--mode pieces``: each per-step piece of the elastic loops timed alone, 2 ranks,
-interleaved rounds (the old blocking agreement vs the async one, the progress file
-rate-limited vs rewritten every step, the log line, the per-step reseed, the WorldLR
-hooks, the samplers), and an account of where the measured overhead goes.
+interleaved rounds (the old blocking agreement vs the async one, posted every step and at
+its cadence; the progress file rate-limited vs rewritten every step, the log line, the
+per-step reseed, the WorldLR hooks, the samplers), and an account of where the measured
+overhead goes.
 
 Writes NAME.json (settings, machine, load, every run; rewritten after each) and NAME.md.
 Every launch's process tree is killed when it ends (the harness is the child subreaper:
@@ -173,6 +174,8 @@ def derived(pieces: dict[str, Any]) -> dict[str, float]:
              "ElasticTrainer's indices vs the bare loop's": ("trainer_indices", "bare_indices"),
              "blocking step_boundary - async Agreement.post (saved per step)":
                  ("step_boundary", "agreement_post"),
+             "a post every step - the default cadence (saved per step)":
+                 ("agreement_post", "agreement_cadenced"),
              "progress file every step - rate-limited (saved per step)":
                  ("progress_every_step", "progress_rate_limited"),
              "torch.manual_seed alone (step_seed + manual_seed - step_seed)":

@@ -212,10 +212,15 @@ class Pieces:
         self.table: dict[str, tuple[str, Callable[[int], float]]] = {
             "step_boundary": ("the old blocking stop/loss all-reduce (dist.step_boundary), "
                               "a 2 ms step apart", self.step_boundary),
-            "agreement_post": ("dist.Agreement.post (async, read one step behind), a 2 ms step "
-                               "apart", self.agreement_post),
-            "agreement_post_back_to_back": ("Agreement.post with no step between (it waits for "
-                                            "the whole reduction)", self.agreement_back_to_back),
+            "agreement_post": ("dist.Agreement posting after every step (agree_interval_s=0; "
+                               "async, read a step later), a 2 ms step apart",
+                               self.agreement(0.0, COLLECTIVE_GAP_S)),
+            "agreement_cadenced": ("dist.Agreement at its default cadence (a post every "
+                                   f"{tdist.AGREE_INTERVAL_S} s), a 2 ms step apart",
+                                   self.agreement(tdist.AGREE_INTERVAL_S, COLLECTIVE_GAP_S)),
+            "agreement_post_back_to_back": ("a post after every step with no step between (it "
+                                            "waits for the whole reduction)",
+                                            self.agreement(0.0, 0.0)),
             "progress_rate_limited": ("ProgressReporter.report('step'), file at most every "
                                       "0.25 s, no log line", self.progress(0.25)),
             "progress_every_step": ("report('step') rewriting the file every step "
@@ -244,15 +249,14 @@ class Pieces:
         return timed_calls(lambda i: tdist.step_boundary(False, 1.0, torch.device("cpu")), n,
                            COLLECTIVE_GAP_S)
 
-    def agreement_post(self, n: int, gap_s: float = COLLECTIVE_GAP_S) -> float:
-        agreement = tdist.Agreement(torch.device("cpu"))
-        loss = torch.tensor(0.25)
-        spent = timed_calls(lambda i: agreement.post(False, loss), n, gap_s)
-        agreement.result()  # no reduction left behind for the next piece's collectives
-        return spent
-
-    def agreement_back_to_back(self, n: int) -> float:
-        return self.agreement_post(n, 0.0)
+    def agreement(self, interval_s: float, gap_s: float) -> Callable[[int], float]:
+        def run(n: int) -> float:
+            agreement = tdist.Agreement(torch.device("cpu"), interval_s)
+            loss = torch.tensor(0.25)
+            spent = timed_calls(lambda i: agreement.after_step(i + 1, False, loss), n, gap_s)
+            agreement.result()  # no reduction left behind for the next piece's collectives
+            return spent
+        return run
 
     def progress(self, interval_s: float) -> Callable[[int], float]:
         def run(n: int) -> float:
@@ -356,9 +360,11 @@ class Pieces:
 
 
 # Timed with a 2 ms gap per call: fewer iterations keep their rounds short.
-COLLECTIVE_PIECES = ("step_boundary", "agreement_post", "agreement_post_back_to_back", "step_done")
+COLLECTIVE_PIECES = ("step_boundary", "agreement_post", "agreement_cadenced",
+                     "agreement_post_back_to_back", "step_done")
 PIECES = (
-    "step_boundary", "agreement_post", "agreement_post_back_to_back", "progress_rate_limited",
+    "step_boundary", "agreement_post", "agreement_cadenced", "agreement_post_back_to_back",
+    "progress_rate_limited",
     "progress_every_step", "progress_log_line", "step_seed", "step_seed_manual_seed",
     "optimizer_step", "optimizer_step_worldlr", "dist_sampler_batch", "elastic_sampler_batch",
     "bare_indices", "trainer_indices", "step_done")

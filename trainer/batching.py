@@ -66,15 +66,28 @@ def _indivisible_message(global_batch: int, world_size: int, micro_batch: int) -
     )
 
 
+def part_bounds(n: int, parts: int, i: int) -> tuple[int, int]:
+    """[start, stop) of part ``i`` of ``n`` items cut into ``parts`` contiguous parts, as
+    ``numpy.array_split`` cuts them (the first ``n % parts`` get one more): the slice
+    without array_split's per-call cost (~13 us, paid twice a step)."""
+    size, extra = divmod(n, parts)
+    start = i * size + min(i, extra)
+    return start, start + size + (1 if i < extra else 0)
+
+
 def shard(indices: np.ndarray, world_size: int, rank: int) -> np.ndarray:
     """Rank ``rank``'s contiguous share of a step's indices.
 
-    Shares differ by at most one sample (``numpy.array_split``), so a short last
-    step of an epoch is spread as evenly as it can be; a rank may get none.
+    Shares differ by at most one sample (as ``numpy.array_split`` splits), so a short
+    last step of an epoch is spread as evenly as it can be; a rank may get none.
     """
-    return np.array_split(np.asarray(indices), world_size)[rank]
+    indices = np.asarray(indices)
+    start, stop = part_bounds(len(indices), world_size, rank)
+    return indices[start:stop]
 
 
 def micro_batches(rank_indices: np.ndarray, accum: int) -> list[np.ndarray]:
     """A rank's share split into ``accum`` micro-batches (some may be empty at epoch end)."""
-    return np.array_split(np.asarray(rank_indices), accum)
+    rank_indices = np.asarray(rank_indices)
+    n = len(rank_indices)
+    return [rank_indices[slice(*part_bounds(n, accum, i))] for i in range(accum)]

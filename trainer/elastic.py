@@ -16,8 +16,9 @@ The one implementation of those four, used by a hand-written loop directly and b
 Construction resumes: rank 0 picks the newest checkpoint that verifies, every rank
 loads it (model, optimizer, sampler, scheduler, grad scaler, registered extras) and
 the world-size LR rescale is set for this world (``trainer.worldlr``). ``step_done``
-counts the step, moves the sampler past the step's samples, agrees on stopping one
-step behind without a blocking collective (``dist.Agreement``), saves on the
+counts the step, moves the sampler past the step's samples, agrees on stopping
+without a blocking collective (``dist.Agreement``: a few times a second, each read one
+step after its post, so a stop is seen within ``agree_interval_s`` plus a step), saves on the
 checkpoint cadence (rank 0, in the background) and reports progress. On an agreed
 stop (SIGTERM, SIGINT, the daemon's stop file) it commits the step, waits for every
 rank and exits the process with ``STOP_EXIT_CODE``: the loop never sees it.
@@ -79,7 +80,9 @@ class ElasticState:
     objects with ``state_dict``/``load_state_dict`` to checkpoint, by name.
     ``lr_schedule(step)``: instead of a torch scheduler, a multiplier of the LRs the
     optimizer was built with. ``start=False`` defers ``supervise`` and ``start`` to the
-    caller (ElasticTrainer).
+    caller (ElasticTrainer). ``agree_interval_s``: how often at most the ranks agree on a
+    stop and the loss (``dist.Agreement``; 0: after every step); a stop is seen within
+    it plus one step.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class ElasticState:
         exit_on_stop: bool = True,
         start: bool = True,
         lr_schedule: Schedule | None = None,
+        agree_interval_s: float = tdist.AGREE_INTERVAL_S,
     ) -> None:
         if not structlog.is_configured():
             configure_logging()  # the progress lines are the contract's JSON lines
@@ -118,12 +122,12 @@ class ElasticState:
         self.exit_on_stop = exit_on_stop
         self.device = torch.device("cpu")
         self.agreement: tdist.Agreement | None = None
+        self.agree_interval_s = agree_interval_s
         self.checkpoints: Any = None  # checkpointing.CheckpointManager when a dir is set
         self.saved_step = -1
         self.reported_step = -1
         self.loss: float | None = None  # the global mean loss of step ``loss_step``
-        self.loss_step: int | None = None  # (one step behind: see dist.Agreement)
-        self._loss_divisor: float | None = None  # of the step whose agreement is in flight
+        self.loss_step: int | None = None  # (the last agreed: see dist.Agreement)
         self._updates_at_done = 0
         self._last_save = time.monotonic()
         self._closed = False
@@ -167,7 +171,7 @@ class ElasticState:
         # SIGKILL (seen by the chaos suite); before the first step there is nothing to
         # commit anyway.
         self.stop.install()
-        self.agreement = tdist.Agreement(self.device)
+        self.agreement = tdist.Agreement(self.device, self.agree_interval_s)
         self.open_checkpoints()
         self.resume()
 
@@ -250,10 +254,10 @@ class ElasticState:
         # collective may commit it (see fail()).
         self._updates_at_done = self.lr.updates
         assert self.agreement is not None, "start() first"
-        agreed = self.agreement.post(self.stop.requested(), loss_sum)
-        self._agreed_loss(agreed, st.step - 1)
-        self._loss_divisor = loss_divisor if loss_sum is not None else None
-        if agreed is not None and agreed[0] and not (last and last()):
+        agreed = self.agreement.after_step(st.step, self.stop.requested(), loss_sum,
+                                           loss_divisor)
+        self._take(agreed)
+        if agreed is not None and agreed.stop and not (last and last()):
             self.report("step")  # every step done gets its line; "stopped" follows
             code = self.stop_now()
             if self.exit_on_stop:
@@ -335,11 +339,11 @@ class ElasticState:
     def _settle(self) -> None:
         """Wait for the agreement in flight, so no collective of this step is left behind."""
         if self.agreement is not None:
-            self._agreed_loss(self.agreement.result(), self.state.step)
+            self._take(self.agreement.result())
 
-    def _agreed_loss(self, agreed: tuple[bool, float] | None, step: int) -> None:
-        if agreed is not None and self._loss_divisor:
-            self.loss, self.loss_step = agreed[1] / self._loss_divisor, step
+    def _take(self, agreed: tdist.Agreed | None) -> None:
+        if agreed is not None and agreed.loss is not None:
+            self.loss, self.loss_step = agreed.loss, agreed.step
 
     def fail(self, exc: BaseException) -> int:
         """The exit code for an exception that ends the worker, after what can be saved.
@@ -393,6 +397,8 @@ class ElasticState:
         st = self.state
         if event in ("step", "checkpoint"):
             self.reported_step = st.step
+        if not self.progress.due(event, st.step):
+            return  # most steps: no line due, and the file was rewritten very recently
         lrs = st.lrs_used or self.lr.preview()
         self.progress.report(event, st.step, lr=lrs[0], loss=self.loss, lrs=lrs,
                              epoch=self.epoch, global_batch=st.global_batch,

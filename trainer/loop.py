@@ -14,11 +14,12 @@ One step (``step`` counts completed optimizer steps):
 2. forward/backward each micro-batch (DDP syncs on the last), optimizer step with
    the LR rescaled to the world size, ramped and scheduled (``trainer.worldlr``);
 3. ``ElasticState.end_step``: advance the sampler and the step (the state is now
-   that of ``step + 1`` on every rank), post this step's stop flag and loss sum in
-   an asynchronous all-reduce and read the previous step's (``dist.Agreement``);
-4. rank 0 saves periodically (non-blocking); on a stop agreed (one step after any
-   rank's SIGTERM, SIGINT or stop file) it saves this step blocking, all ranks pass
-   a barrier and exit with STOP_EXIT_CODE.
+   that of ``step + 1`` on every rank); a few times a second (``agree_interval_s``)
+   post the stop flag and this step's loss sum in an asynchronous all-reduce, read
+   one step later (``dist.Agreement``);
+4. rank 0 saves periodically (non-blocking); on a stop agreed (within
+   ``agree_interval_s`` plus a step of any rank's SIGTERM, SIGINT or stop file) it
+   saves this step blocking, all ranks pass a barrier and exit with STOP_EXIT_CODE.
 
 Steps 3-4 (and resume, reporting, the failure commit) are ``trainer.elastic``'s, the
 same code a hand-written loop runs through ``ElasticState``.
@@ -65,6 +66,8 @@ class TrainConfig:
     constant-global-batch mode (gradient accumulation; the LR rule is then
     ignored: the global batch never changes). The run completes at ``max_steps``
     optimizer steps or after ``max_epochs`` epochs, whichever comes first.
+    agree_interval_s: how often at most the ranks agree on a stop and the loss (0:
+    after every step; see ``dist.Agreement``).
     """
 
     micro_batch: int
@@ -77,6 +80,7 @@ class TrainConfig:
     step_sleep_s: float = 0.0
     reseed_each_step: bool = True
     save_on_failure: bool = True
+    agree_interval_s: float = tdist.AGREE_INTERVAL_S
     backend: str = "auto"
     timeout: timedelta = tdist.DEFAULT_TIMEOUT
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -144,7 +148,7 @@ class ElasticTrainer:
         self.es = ElasticState(
             model, optimizer, sampler=ElasticSampler(dataset_len, config.seed, config.shuffle),
             ctx=ctx, log_every=config.log_every, exit_on_stop=False, start=False,
-            lr_schedule=lr_schedule or _constant)
+            lr_schedule=lr_schedule or _constant, agree_interval_s=config.agree_interval_s)
         self.es.state.global_batch = self.plan.global_batch
         if config.global_batch is not None:
             self.es.lr_rule = "none"  # constant global batch: the LR never changes either
@@ -332,7 +336,7 @@ class ElasticTrainer:
             cfg.max_epochs is not None and st.sampler.epoch >= cfg.max_epochs
         )
 
-    def _step(self) -> tuple[int, float]:
+    def _step(self) -> tuple[int, torch.Tensor | float]:
         """One optimizer step; returns (global sample count, this rank's loss sum).
 
         ``ElasticState.end_step`` then advances the sampler and the step: from there the
@@ -349,11 +353,15 @@ class ElasticTrainer:
         st.optimizer.step()
         return len(indices), loss_sum
 
-    def _accumulate(self, micro: Sequence[np.ndarray], n_global: int, filler: int) -> float:
-        """Backward of every micro-batch; DDP all-reduces on the last one only."""
+    def _accumulate(self, micro: Sequence[np.ndarray], n_global: int,
+                    filler: int) -> torch.Tensor | float:
+        """Backward of every micro-batch; DDP all-reduces on the last one only.
+
+        The loss sum stays a tensor: reading it (``float``) would make the host wait for
+        the device every step; the agreement reads it only on the steps it posts."""
         # DDP averages over ranks, so sum * world_size / n_global is the global mean.
         weight = self.ctx.world_size / n_global
-        loss_sum = 0.0
+        loss_sum: torch.Tensor | float = 0.0
         for i, batch_idx in enumerate(micro):
             last = i == len(micro) - 1
             if len(batch_idx) == 0 and not last:
@@ -364,7 +372,7 @@ class ElasticTrainer:
                 if len(batch_idx):
                     losses = self._losses(batch_idx)
                     backward(losses.sum() * weight)
-                    loss_sum += float(losses.detach().sum())
+                    loss_sum = losses.detach().sum() + loss_sum
                 else:
                     # An empty share at epoch end must still join the all-reduce: a real
                     # forward (DDP requires one) whose loss is multiplied by zero.

@@ -87,32 +87,43 @@ class ProgressReporter:
         gen = self.ctx.generation_id
         return {} if gen is None or not self.publish_generation else {"generation": gen.as_dict()}
 
+    def due(self, event: str, step: int) -> bool:
+        """Whether ``report(event, step)`` would write the file or log a line: a caller may
+        skip building the fields of a step that does neither (most steps)."""
+        return self.enabled and (self._line_due(event, step) or (
+            self.path is not None and self._file_due(event, self._clock())))
+
     def report(self, event: str, step: int, **fields: Any) -> None:
-        """Rewrite the progress file; log unless it is a ``step`` between log points."""
+        """Rewrite the progress file when due; log unless it is a ``step`` between log points."""
         if event not in EVENTS:
             raise ValueError(f"unknown progress event {event!r}; use one of {EVENTS}")
         if not self.enabled:
             return
-        if event in ("step", "checkpoint"):
-            self._update_rate(step)
+        now = self._clock()
+        write = self.path is not None and self._file_due(event, now)
+        line = self._line_due(event, step)
+        if event in ("step", "checkpoint") and (write or line):
+            self._update_rate(step)  # from the steps between two calls: any call will do
+        if not (write or line):
+            return
         rec = self.record(event, step, **fields)
-        if self.path and self._file_due(event):
+        if write:
+            self._last_file = (event, now)
             write_atomic(self.path, json.dumps(rec))
-        if event != "step" or step % self.log_every == 0:
+        if line:
             # structlog's message key is "event" too: the line's event is the progress event.
             fields = {k: v for k, v in rec.items() if k != "event"}
             log.info(event, kind="progress", **fields)
 
-    def _file_due(self, event: str) -> bool:
+    def _line_due(self, event: str, step: int) -> bool:
+        return event != "step" or step % self.log_every == 0
+
+    def _file_due(self, event: str, now: float) -> bool:
         """Every event but ``step`` is written; steps at most every ``file_interval_s``, and
         always the first step after another event (the step that ends a recovery)."""
-        now = self._clock()
         last = self._last_file
-        if event == "step" and last is not None and last[0] == "step" and (
-                now - last[1] < self.file_interval_s):
-            return False
-        self._last_file = (event, now)
-        return True
+        return not (event == "step" and last is not None and last[0] == "step"
+                    and now - last[1] < self.file_interval_s)
 
     def _update_rate(self, step: int) -> None:
         now = self._clock()

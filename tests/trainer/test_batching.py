@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from trainer.batching import micro_batches, plan_batches, shard
 from trainer.errors import ConfigError
@@ -40,3 +42,11 @@ def test_micro_batches_cover_the_share():
     parts = micro_batches(np.arange(7), 3)
     assert [p.tolist() for p in parts] == [[0, 1, 2], [3, 4], [5, 6]]
 
+
+
+@given(st.integers(0, 200), st.integers(1, 17))
+def test_shards_and_micro_batches_cut_as_array_split_cuts(n, parts):
+    items = np.arange(n) * 3
+    want = np.array_split(items, parts)
+    assert [shard(items, parts, r).tolist() for r in range(parts)] == [w.tolist() for w in want]
+    assert [m.tolist() for m in micro_batches(items, parts)] == [w.tolist() for w in want]

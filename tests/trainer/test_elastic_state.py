@@ -152,8 +152,9 @@ def _job(ctx: ElasticContext) -> tuple[ElasticState, DataLoader, ElasticDistribu
     model = regression.make_model(ARGS)
     optimizer = torch.optim.Adam(model.parameters(), lr=ARGS.lr)
     scheduler = regression.warmup_cosine(optimizer, ARGS)
+    # Agreeing after every step: the stop's step is then exact (the cadence: below).
     state = ElasticState(model, optimizer, loader=loader, scheduler=scheduler, ctx=ctx,
-                         exit_on_stop=False, start=False)
+                         exit_on_stop=False, start=False, agree_interval_s=0)
     state.start()
     return state, loader, sampler
 
@@ -208,6 +209,33 @@ def test_stop_is_agreed_one_step_later_and_a_resume_continues_the_schedule(world
     rest = _train(resumed, loader, sampler, epochs=3)
     assert rest == pytest.approx([_formula(s, 1) for s in range(7, 15)], rel=1e-12)
     assert sampler.position == 3 * 40 and resumed.finish() == 0
+
+
+def test_the_agreement_cadence_fits_its_interval_to_the_agreed_step_time():
+    assert tdist.agree_every(0, 250_000) == 1  # the step time is not known yet
+    assert tdist.agree_every(50_000, 250_000) == 5
+    assert tdist.agree_every(300_000, 250_000) == 1  # a step longer than the interval
+    assert tdist.agree_every(50_000, 0) == 1  # interval 0: every step
+    assert tdist.agree_every(1, 10**9) == tdist.MAX_AGREE_EVERY
+    with pytest.raises(ConfigError, match="agree_interval_s=-1 must be >= 0"):
+        tdist.Agreement(torch.device("cpu"), -1)
+
+
+def test_the_agreement_posts_on_its_cadence_and_sees_a_stop_within_it(world_of_one):
+    step = 0
+    agreement = tdist.Agreement(torch.device("cpu"), 0.25, clock=lambda: 0.05 * step)
+    seen = {}  # the step after which something was agreed -> what
+    for step in range(1, 16):  # 50 ms steps on the injected clock: every 5th posts
+        agreed = agreement.after_step(step, stop=step >= 8, loss_sum=2.0 * step, loss_divisor=4)
+        if agreed is not None:
+            seen[step] = agreed
+    # Post after 1 (no step time yet: 1 step), after 2 (50 ms: 5 steps), 7, 12; each read
+    # one step later. The stop asked from step 8 on rides the post after 12.
+    assert sorted(seen) == [2, 3, 8, 13]
+    assert [(a.step, a.stop, a.every) for a in seen.values()] == [
+        (1, False, 1), (2, False, 5), (7, False, 5), (12, True, 5)]
+    assert [a.loss for a in seen.values()] == [0.5, 1.0, 3.5, 6.0]
+    assert agreement.result() is None  # nothing posted since (the next is after 17)
 
 
 def test_a_failure_commits_the_last_step_only_while_the_weights_are_those_of_it(world_of_one):
