@@ -55,7 +55,8 @@ def etcd_version(binary: str) -> str:
 
 
 class EmbeddedEtcd:
-    """One etcd member on 127.0.0.1 with a private data dir.
+    """One etcd member on 127.0.0.1 (or ``host`` inside a network namespace of
+    ``elasticd.netlab``) with a private data dir.
 
     ``start()`` blocks until ``/health`` answers; ``stop()`` kills it and always
     leaves no process behind; ``restart()`` keeps the data dir and the ports, the
@@ -63,11 +64,16 @@ class EmbeddedEtcd:
     """
 
     def __init__(self, data_dir: str | None = None, binary: str | None = None,
-                 tls_dir: str | None = None) -> None:
+                 tls_dir: str | None = None, host: str = "127.0.0.1",
+                 netns: str | None = None) -> None:
         """``tls_dir``: a directory made by deploy/etcd/make-certs.sh (server-127.0.0.1.pem,
-        ca.pem ...); the member then serves clients over TLS and requires client certs."""
+        ca.pem ...); the member then serves clients over TLS and requires client certs.
+        ``netns``: the network namespace (``/run/netns/<name>``) it runs in, at ``host``;
+        its health is then asked from inside that namespace."""
         self.binary = binary or find_etcd_binary()
         self.tls_dir = tls_dir
+        self.host = host
+        self.netns = netns
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="elasticd-etcd-")
         self.client_port = free_port()
@@ -77,13 +83,14 @@ class EmbeddedEtcd:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     def _command(self) -> list[str]:
         scheme = "https" if self.tls_dir else "http"
-        client = f"{scheme}://127.0.0.1:{self.client_port}"
-        peer = f"http://127.0.0.1:{self.peer_port}"
-        return [*self._base_command(client, peer), *self._tls_flags()]
+        client = f"{scheme}://{self.host}:{self.client_port}"
+        peer = f"http://{self.host}:{self.peer_port}"
+        command = [*self._base_command(client, peer), *self._tls_flags()]
+        return ["nsenter", f"--net=/run/netns/{self.netns}", "--", *command] if self.netns else command
 
     def _tls_flags(self) -> list[str]:
         if not self.tls_dir:
@@ -123,6 +130,13 @@ class EmbeddedEtcd:
     def healthy(self) -> bool:
         if self.proc is None or self.proc.poll() is not None:
             return False
+        if self.netns:
+            from elasticd.netlab import call_in
+
+            return call_in(self.netns, self._answers)
+        return self._answers()
+
+    def _answers(self) -> bool:
         if self.tls_dir:
             return self._port_open()
         try:
@@ -133,7 +147,7 @@ class EmbeddedEtcd:
 
     def _port_open(self) -> bool:
         try:
-            with socket.create_connection(("127.0.0.1", self.client_port), timeout=1):
+            with socket.create_connection((self.host, self.client_port), timeout=1):
                 return True
         except OSError:
             return False

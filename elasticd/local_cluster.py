@@ -13,6 +13,12 @@ Every node of a cluster shares one checkpoint directory (``<root>/ckpt``), as re
 share an NFS mount. ``local_cluster()`` is a context manager that owns a root directory,
 optionally an etcd, and every process started while it is open: on exit, normal or not,
 it kills them all (SIGCONT first, so a SIGSTOPped node dies too).
+
+``local_cluster(network=True)`` puts every daemon node and the etcd in a network
+namespace of its own (``elasticd.netlab``: veth pairs to a bridge in another namespace,
+addresses in 10.77.0.0/24; a node advertises its own as ``node.addr``), so that the
+chaos harness can cut and slow one node's links (``elasticd.chaos.net_faults``) without
+touching the machine's loopback; the namespaces go with the cluster.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from typing import Any, Self, TypeVar
 
 import psutil
 
-from elasticd import proctree
+from elasticd import netlab, proctree
 from elasticd.embedded_etcd import EmbeddedEtcd
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,11 +57,12 @@ FAST_RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attem
 def write_config(path: Path, *, job: str, node: str, endpoint: str, run_dir: Path, ckpt_dir: Path,
                  min_nodes: int = 1, max_nodes: int = 3, entrypoint: list[str] | None = None,
                  lease_ttl_s: int = 5, every_steps: int = 20, extra: str = "",
-                 sections: str = "", recovery: str | None = None) -> Path:
+                 sections: str = "", recovery: str | None = None, addr: str = "127.0.0.1") -> Path:
     """A node's TOML config; ``extra`` lines go into [supervisor], ``sections`` at the end.
 
     ``recovery``: ``[recovery] mode`` ("in-place" | "restart"); None leaves the config's
-    default (in-place) and the section to ``sections``.
+    default (in-place) and the section to ``sections``. ``addr``: ``node.addr``, the
+    address the node binds and advertises.
     """
     entry = entrypoint or [MLP, *TRAIN_ARGS]
     if recovery is not None:
@@ -73,7 +80,7 @@ endpoints = ["{endpoint}"]
 
 [node]
 id = "{node}"
-addr = "127.0.0.1"
+addr = "{addr}"
 lease_ttl_s = {lease_ttl_s}
 probe_interval_s = 0.5
 run_dir = "{run_dir}"
@@ -154,6 +161,8 @@ class Node:
     root: Path
     # kw_only: it goes after every subclass field, out of the positional order callers use.
     proc: subprocess.Popen | None = field(default=None, repr=False, kw_only=True)
+    # Put before the command: the node's network namespace (netlab.Network.prefix), if any.
+    prefix: list[str] = field(default_factory=list, kw_only=True)
 
     # -- what a kind of node defines
     def command(self) -> list[str]:
@@ -195,7 +204,7 @@ class Node:
         self.progress_path.unlink(missing_ok=True)
         self.prepare()
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=log,
+            self.proc = subprocess.Popen([*self.prefix, *self.command()], env=self.environment(), stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         return self
 
@@ -493,9 +502,11 @@ class Cluster:
     etcd endpoint filled in.
     """
 
-    def __init__(self, root: Path, etcd: EmbeddedEtcd | None = None) -> None:
+    def __init__(self, root: Path, etcd: EmbeddedEtcd | None = None,
+                 net: netlab.Network | None = None) -> None:
         self.root = root
         self.etcd = etcd
+        self.net = net
         self.nodes: list[Node] = []
         self.leftover: list[str] = []   # what the last stop() could not kill
         # Everything alive now is not ours to kill (a test's session etcd, say).
@@ -513,10 +524,21 @@ class Cluster:
 
     def daemon(self, name: str, job: str, env: dict | None = None, start: bool = True,
                **config_kw: Any) -> DaemonNode:
-        return self.add(DaemonNode(name, self.endpoint, job, self.root, config_kw, env or {}), start)
+        """A daemon node; on a cluster with a network, in a namespace of its own."""
+        if self.net is None:
+            return self.add(DaemonNode(name, self.endpoint, job, self.root, config_kw, env or {}), start)
+        member = self.net.add(name)
+        # gloo binds the address the hostname resolves to (loopback here), which peers in
+        # other namespaces cannot reach: it must use the node's link.
+        env = {"GLOO_SOCKET_IFNAME": "eth0", **(env or {})}
+        node = DaemonNode(name, self.endpoint, job, self.root, {**config_kw, "addr": member.addr},
+                          env, prefix=self.net.prefix(name))
+        return self.add(node, start)
 
     def torchrun(self, name: str, job: str, endpoint: str | None = None, start: bool = True,
                  kind: type[TorchrunNode] = TorchrunNode, **kw: Any) -> TorchrunNode:
+        if self.net is not None:
+            raise ValueError("plain torchrun nodes run on loopback: use a cluster without a network")
         return self.add(kind(name, endpoint or self.endpoint, job, self.root, **kw), start)
 
     def stop(self) -> list[str]:
@@ -532,23 +554,36 @@ class Cluster:
         if self.etcd is not None:
             self.etcd.stop()
         proctree.reap_children()
+        # Last: a namespace deleted while a process is in it lives on, unnamed.
+        if self.net is not None:
+            left += [f"netns {n}" for n in self.net.close()]
         self.leftover = left
         return left
 
 
 @contextlib.contextmanager
-def local_cluster(root: Path | None = None, *, etcd: bool = True, keep: bool = False) -> Iterator[Cluster]:
-    """A ``Cluster`` whose processes are all gone when the block ends, however it ends.
+def local_cluster(root: Path | None = None, *, etcd: bool = True, keep: bool = False,
+                  network: bool = False) -> Iterator[Cluster]:
+    """A ``Cluster`` whose processes (and namespaces) are all gone when the block ends,
+    however it ends.
 
     ``root``: the directory for configs, logs and checkpoints (default: a temp dir,
     removed at the end unless ``keep``). ``etcd``: start a throw-away etcd in it.
+    ``network``: every daemon node and the etcd in a network namespace of its own
+    (``elasticd.netlab``; needs root).
     """
     own = root is None
     root = Path(tempfile.mkdtemp(prefix="elasticd-cluster-")) if root is None else root
     root.mkdir(parents=True, exist_ok=True)
-    server = EmbeddedEtcd(data_dir=str(root / "etcd")).start() if etcd else None
-    cluster = Cluster(root, server)
+    net = netlab.Network() if network else None
+    cluster = Cluster(root, None, net)
     try:
+        if net is not None:
+            net.open()
+        if etcd:
+            where = {} if net is None else {
+                "host": netlab.ETCD_HOST, "netns": net.add("etcd", netlab.ETCD_HOST).netns}
+            cluster.etcd = EmbeddedEtcd(data_dir=str(root / "etcd"), **where).start()
         yield cluster
     finally:
         cluster.stop()
