@@ -392,3 +392,8 @@ INJECTORS: dict[str, type[Injector]] = {cls.name: cls for cls in (
     EtcdRestart, CheckpointCorrupt, CheckpointWriteKill)}
 
 
+
+# The network faults (net_faults.py: partitions, delay and loss) add their names to the
+# registry when that module is imported; importing it here makes every user of the
+# registry see them.
+import elasticd.chaos.net_faults  # noqa: E402,F401

@@ -34,7 +34,9 @@ from elasticd.local_cluster import MLP, Cluster, DaemonNode, _identity, describe
 # The job the oracle replays: small enough that a step costs ~nothing beyond its sleep.
 RUN = Run(samples=300, batch=4, lr=0.05, seed=7, data_seed=11, momentum=0.9)
 LEASE_TTL_S = 5
-FORM_TIMEOUT_S = 180.0
+# A first world needs every agent to import torch: 70-130 s each at a load of 15-20 on
+# 2 cores (measured; 180 s was too short there in 2 runs of 4).
+FORM_TIMEOUT_S = 300.0
 RECOVER_TIMEOUT_S = 180.0
 # A fault's effect can come late: after an agent's SIGKILL its workers step on until the
 # restarted agent's rendezvous restarts them all (seen: "recovered" 0.2 s after the kill,
@@ -227,7 +229,7 @@ def run_scenario(sc: Scenario, root: Path, *, job: str = "chaos", run: Run = RUN
     error = None
     rng = random.Random(sc.seed)
     before = _identities()
-    with local_cluster(root) as cluster:
+    with local_cluster(root, network=needs_network(sc)) as cluster:
         nodes = _start_nodes(cluster, sc, job, run)
         target = Target({n.name: n for n in nodes}, cluster.etcd, root / "ckpt", LEASE_TTL_S)
         say(f"scenario {sc.name or sc.seed}: {sc.nodes} nodes, {len(sc.faults)} faults, "
@@ -247,6 +249,12 @@ def run_scenario(sc: Scenario, root: Path, *, job: str = "chaos", run: Run = RUN
                                  if _identity(p) not in before)]
     return RunResult(sc, root, run, faults, t_start, t_formed, time.time(), codes, progress,
                      dict(target.corrupted), left, error, etcd)
+
+
+def needs_network(sc: Scenario) -> bool:
+    """Whether a fault of ``sc`` acts on links: the cluster then runs on its own network
+    (every node and the etcd in a namespace, elasticd.netlab) instead of loopback."""
+    return any(getattr(INJECTORS[f.kind], "network", False) for f in sc.faults)
 
 
 def _identities() -> set[tuple[int, float]]:
