@@ -18,7 +18,13 @@ so each can also be fed a tampered history to show it fails (tests/chaos/test_bi
 * ``no-corrupt-load``   no resume loaded a checkpoint while it was damaged;
 * ``recovery-bounded``  per fault: recovery time and steps lost (0 for a drain, at most
                         two checkpoint intervals otherwise);
-* ``no-process-left``   nothing the run started is alive once its cluster stopped.
+* ``one-world-per-step`` no step (or checkpoint) completed in a generation after a newer
+                        generation of the same rendezvous lifetime had already completed
+                        that step or an earlier one: two worlds never train at once (a
+                        node cut off must not go on, nor commit, in the world it was cut
+                        from);
+* ``no-process-left``   nothing the run started, process or network namespace, is alive
+                        once its cluster stopped.
 
 A failed check names the fault it is attributed to where one can be (the seed that
 replays the scenario is in the report's header).
@@ -296,6 +302,59 @@ def check_recovery(result: RunResult, metrics: list[FaultMetrics]) -> Check:
     return Check("recovery-bounded", True, rows or "no fault fired")
 
 
+def _generation(record: dict) -> tuple[str, int, int] | None:
+    g = record.get("generation")
+    if not isinstance(g, dict) or not all(isinstance(g.get(k), int) for k in ("round", "seq")):
+        return None
+    return str(g.get("epoch")), g["round"], g["seq"]
+
+
+def stale_world_steps(progress: dict[str, list[dict]]) -> list[tuple[dict, str, dict]]:
+    """(record, its node, the newer record it came after) for each step or checkpoint
+    record of a generation that completed step s after a newer generation (same epoch)
+    had completed a step <= s, where s is beyond every step the older generation had
+    completed before the newer one's first. So neither a restart that redoes steps from
+    a checkpoint (the old world's steps came first) nor a record a stopped worker writes
+    late for a step its world had completed together is one: the old world went on."""
+    every = sorted(((r, node) for node, recs in progress.items() for r in recs
+                    if r.get("event") in ("step", "checkpoint") and _generation(r)),
+                   key=lambda rn: rn[0]["time"])
+    first: dict[tuple[str, int, int], dict] = {}      # each generation's first record
+    reached: dict[tuple[str, int, int], int] = {}     # each one's highest step so far
+    # (older, newer) -> the older one's highest step when the newer one's first came.
+    at_start: dict[tuple[tuple[str, int, int], tuple[str, int, int]], int] = {}
+    found = []
+    for record, node in every:
+        gen = _generation(record)
+        if gen not in first:
+            first[gen] = record
+            at_start |= {(g, gen): step for g, step in reached.items() if g[0] == gen[0] and g[1:] < gen[1:]}
+        step = record["step"]
+        newer = [first[g] for g in first if g[0] == gen[0] and g[1:] > gen[1:]
+                 and first[g]["step"] <= step and step > at_start.get((gen, g), -1)]
+        if newer:
+            found.append((record, node, min(newer, key=lambda f: f["time"])))
+        reached[gen] = max(reached.get(gen, step), step)
+    return found
+
+
+def check_one_world(result: RunResult) -> Check:
+    found = stale_world_steps(result.progress)
+    if not found:
+        return Check("one-world-per-step", True, "no step completed in a world older than one "
+                     "that had already reached it")
+    record, node, newer = found[0]
+
+    def gen(r: dict) -> str:
+        return "{round}.{seq}".format(**r["generation"])
+
+    what = "committed checkpoint" if record["event"] == "checkpoint" else "step"
+    return Check("one-world-per-step", False,
+                 f"{len(found)} record(s); first: node {node} {what} {record['step']} in generation "
+                 f"{gen(record)} after generation {gen(newer)} had completed step {newer['step']}",
+                 _attribute(result, record["time"]))
+
+
 def check_processes(result: RunResult) -> Check:
     if result.leftover:
         return Check("no-process-left", False, f"alive after the cluster stopped: {result.leftover}")
@@ -308,5 +367,5 @@ def check_all(result: RunResult) -> tuple[list[Check], list[FaultMetrics]]:
     metrics = fault_metrics(result)
     checks = [check_faults(result), check_completed(result), check_contiguous(result, history),
               *check_oracle(result, history), check_checkpoints(result), check_corrupt_loads(result),
-              check_recovery(result, metrics), check_processes(result)]
+              check_recovery(result, metrics), check_one_world(result), check_processes(result)]
     return checks, metrics
