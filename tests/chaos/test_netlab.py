@@ -131,3 +131,15 @@ def test_the_packet_ids_of_a_queue_message_are_read():
     msg = net_faults._message(net_faults._MSG_PACKET, 7, other + hdr, 1)
     assert net_faults._packet_ids(msg + msg) == [42, 42]
     assert net_faults._packet_ids(b"") == []
+
+
+def test_a_cluster_on_its_own_network_runs_etcd_in_a_namespace_and_leaves_nothing(tmp_path):
+    from elasticd.local_cluster import local_cluster
+
+    with pytest.raises(RuntimeError, match="boom"), local_cluster(tmp_path, network=True) as cluster:
+        assert cluster.endpoint.startswith(netlab.ETCD_HOST + ":")
+        assert cluster.etcd.healthy()              # asked from inside its namespace
+        tag = cluster.net.tag
+        raise RuntimeError("boom")
+    assert cluster.leftover == [] and not any(tag in n for n in netlab.namespaces())
+    assert cluster.etcd.proc is None
