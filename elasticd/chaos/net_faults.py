@@ -315,6 +315,7 @@ class Netem(NetFault):
         out: Detail = {}
         if self._delayer is None:
             netlab.run("ip", "netns", "exec", netns, "tc", "qdisc", "del", "dev", "eth0", "root", check=False)
+            out["rules_left"] = rules_in(netns)
         else:
             out["rules_left"] = uncut(netns)
             out["packets"] = self._delayer.stop()
