@@ -143,3 +143,30 @@ def test_a_cluster_on_its_own_network_runs_etcd_in_a_namespace_and_leaves_nothin
         raise RuntimeError("boom")
     assert cluster.leftover == [] and not any(tag in n for n in netlab.namespaces())
     assert cluster.etcd.proc is None
+
+
+def test_no_process_left_bites_on_a_namespace_the_cleanup_failed_to_delete(tmp_path, monkeypatch):
+    """The cleanup weakened (namespace deletion made a no-op): the cluster reports the
+    namespaces it could not remove, and the run's no-process-left check fails on them."""
+    from elasticd.chaos import invariants as inv
+    from elasticd.chaos.run import RUN, RunResult
+    from elasticd.chaos.scenario import FaultSpec, Scenario
+    from elasticd.local_cluster import local_cluster
+
+    real = netlab.run
+    monkeypatch.setattr(netlab, "run", lambda *cmd, check=True: real("true") if cmd[:3] == (
+        "ip", "netns", "del") else real(*cmd, check=check))
+    try:
+        with local_cluster(tmp_path, etcd=False, network=True) as cluster:
+            cluster.net.add("a")
+        assert sorted(cluster.leftover) == sorted(f"netns {cluster.net.ns(m)}" for m in ("a", "sw"))
+        sc = Scenario(1, (FaultSpec("partition-peers", "a", 5),), nodes=3, final_step=10)
+        result = RunResult(sc, tmp_path, RUN, [], 0, 0, 1, {}, {}, {}, cluster.leftover)
+        check = inv.check_processes(result)
+        assert not check.passed and cluster.net.ns("a") in check.detail
+    finally:
+        monkeypatch.undo()
+        netlab.sweep_stale()
+        for name in [n for n in netlab.namespaces() if cluster.net.tag in n]:
+            netlab.run("ip", "netns", "del", name)
+    assert not any(cluster.net.tag in n for n in netlab.namespaces())
