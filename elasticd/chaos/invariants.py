@@ -18,11 +18,13 @@ so each can also be fed a tampered history to show it fails (tests/chaos/test_bi
 * ``no-corrupt-load``   no resume loaded a checkpoint while it was damaged;
 * ``recovery-bounded``  per fault: recovery time and steps lost (0 for a drain, at most
                         two checkpoint intervals otherwise);
-* ``one-world-per-step`` no step (or checkpoint) completed in a generation after a newer
-                        generation of the same rendezvous lifetime had already completed
-                        that step or an earlier one: two worlds never train at once (a
-                        node cut off must not go on, nor commit, in the world it was cut
-                        from);
+* ``no-stale-commit``   no checkpoint started (so none committed) by a generation after a
+                        newer generation of the same rendezvous lifetime had already
+                        reached that step: a node cut off must not commit in the world it
+                        was cut from. Ghost steps (a cut-off worker completing one more
+                        collective from messages its peers sent before they re-formed
+                        without it) are reported, not failed: the fence refuses their
+                        commits and the daemon kills those workers;
 * ``no-process-left``   nothing the run started, process or network namespace, is alive
                         once its cluster stopped.
 
@@ -338,21 +340,27 @@ def stale_world_steps(progress: dict[str, list[dict]]) -> list[tuple[dict, str, 
     return found
 
 
-def check_one_world(result: RunResult) -> Check:
+def check_stale_commit(result: RunResult) -> Check:
     found = stale_world_steps(result.progress)
-    if not found:
-        return Check("one-world-per-step", True, "no step completed in a world older than one "
-                     "that had already reached it")
-    record, node, newer = found[0]
+    commits = [f for f in found if f[0]["event"] == "checkpoint"]
 
-    def gen(r: dict) -> str:
-        return "{round}.{seq}".format(**r["generation"])
+    def say(f: tuple[dict, str, dict]) -> str:
+        record, node, newer = f
+        what = "checkpoint" if record["event"] == "checkpoint" else "step"
+        return (f"node {node} {what} {record['step']} in generation {_gen(record)} after generation "
+                f"{_gen(newer)} had completed step {newer['step']}")
 
-    what = "committed checkpoint" if record["event"] == "checkpoint" else "step"
-    return Check("one-world-per-step", False,
-                 f"{len(found)} record(s); first: node {node} {what} {record['step']} in generation "
-                 f"{gen(record)} after generation {gen(newer)} had completed step {newer['step']}",
-                 _attribute(result, record["time"]))
+    ghosts = [f for f in found if f not in commits]
+    ghost = f"; {len(ghosts)} ghost step(s) of a cut-off world, first: {say(ghosts[0])}" if ghosts else ""
+    if commits:
+        return Check("no-stale-commit", False, f"{len(commits)} stale checkpoint(s); first: "
+                     f"{say(commits[0])}{ghost}", _attribute(result, commits[0][0]["time"]))
+    return Check("no-stale-commit", True, "no checkpoint started in a world older than one that "
+                 f"had reached its step{ghost}")
+
+
+def _gen(record: dict) -> str:
+    return "{round}.{seq}".format(**record["generation"])
 
 
 def check_processes(result: RunResult) -> Check:
@@ -367,5 +375,5 @@ def check_all(result: RunResult) -> tuple[list[Check], list[FaultMetrics]]:
     metrics = fault_metrics(result)
     checks = [check_faults(result), check_completed(result), check_contiguous(result, history),
               *check_oracle(result, history), check_checkpoints(result), check_corrupt_loads(result),
-              check_recovery(result, metrics), check_one_world(result), check_processes(result)]
+              check_recovery(result, metrics), check_stale_commit(result), check_processes(result)]
     return checks, metrics
