@@ -175,22 +175,6 @@ class Network:
         """The command prefix that runs a program in ``member``'s network namespace."""
         return ["nsenter", f"--net={NETNS_DIR}/{self.members[member].netns}", "--"]
 
-    def exec(self, member: str, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-        """Run a command (``iptables``, ``tc``, ``ip``) inside ``member``'s namespace."""
-        return run("ip", "netns", "exec", self.members[member].netns, *cmd, check=check)
-
-    def rules(self, member: str) -> list[str]:
-        """The iptables rules in ``member``'s namespace (``iptables -S`` less the policies)."""
-        if iptables_available():
-            return []
-        out = self.exec(member, "iptables", "-S").stdout.splitlines()
-        return [line for line in out if not line.startswith("-P ")]
-
-    def qdiscs(self, member: str) -> list[str]:
-        """The qdiscs on ``member``'s eth0 other than the kernel's default."""
-        out = self.exec(member, "tc", "qdisc", "show", "dev", "eth0", check=False).stdout.splitlines()
-        return [line for line in out if " noqueue " not in line and " pfifo_fast " not in line]
-
     def close(self) -> list[str]:
         """Delete every namespace of this network (members first, the switch last);
         returns those still there after it (should be none)."""

@@ -281,6 +281,7 @@ class Netem(NetFault):
     LOSS = 0.05
     HOLD_S = 20.0
     QUEUE = 7
+    SEED = 5     # the drop draws: the same sequence every run
 
     def cut_s(self, t: Target) -> float:
         return self.HOLD_S
@@ -293,7 +294,7 @@ class Netem(NetFault):
                        "delay", f"{self.DELAY_S * 1000:g}ms", "loss", f"{self.LOSS * 100:g}%")
             how = "tc netem"
         else:
-            self._delayer = Delayer(netns, self.QUEUE, self.DELAY_S, self.LOSS, seed=len(netns))
+            self._delayer = Delayer(netns, self.QUEUE, self.DELAY_S, self.LOSS, seed=self.SEED)
             self._delayer.start()
             self._delayer.ready.wait(5)
             if self._delayer.error is not None:
