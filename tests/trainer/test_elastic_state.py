@@ -161,12 +161,17 @@ def _job(ctx: ElasticContext) -> tuple[ElasticState, DataLoader, ElasticDistribu
 
 def _train(state: ElasticState, loader: DataLoader, sampler, epochs: int) -> list[float]:
     """The converted example's loop; returns the LRs applied. Stops when step_done says so."""
+    return _train_with(state, state.state.model, loader, sampler, epochs)
+
+
+def _train_with(state: ElasticState, model: torch.nn.Module, loader: DataLoader, sampler,
+                epochs: int) -> list[float]:
     applied = []
     for epoch in range(state.epoch, epochs):
         sampler.set_epoch(epoch)
         for x, y in loader:
             state.state.optimizer.zero_grad()
-            loss = torch.nn.functional.mse_loss(state.state.model(x), y)
+            loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
             state.state.optimizer.step()
             applied.append(state.lr.applied[0])
@@ -236,6 +241,23 @@ def test_the_agreement_posts_on_its_cadence_and_sees_a_stop_within_it(world_of_o
         (1, False, 1), (2, False, 5), (7, False, 5), (12, True, 5)]
     assert [a.loss for a in seen.values()] == [0.5, 1.0, 3.5, 6.0]
     assert agreement.result() is None  # nothing posted since (the next is after 17)
+
+
+def test_run_without_the_in_place_mode_is_the_plain_loop_and_wants_the_bare_module(world_of_one):
+    state, loader, sampler = _job(world_of_one)
+    calls = []
+
+    def train(model: torch.nn.Module) -> None:
+        calls.append(model)
+        _train_with(state, model, loader, sampler, epochs=2)
+
+    assert state.run(train) == 0 and len(calls) == 1 and state.step == 10
+    assert isinstance(calls[0], torch.nn.parallel.DistributedDataParallel)
+    assert calls[0].module is state.state.model
+    wrapped = ElasticState(torch.nn.parallel.DistributedDataParallel(regression.make_model(ARGS)),
+                           state.state.optimizer, loader=loader, ctx=world_of_one, start=False)
+    with pytest.raises(ConfigError, match="pass the module"):
+        wrapped.run(train)
 
 
 def test_a_failure_commits_the_last_step_only_while_the_weights_are_those_of_it(world_of_one):
