@@ -263,6 +263,20 @@ DROPIN = ("--samples=96", "--batch-size=4", "--dtype=float64", "--lr=0.01", "--s
           "--warmup-steps=6", "--cosine-steps=60", "--epochs=3", "--lr-base-world-size=3")
 
 
+def _dropin_matches_the_replay(world: World, survivor: str):
+    """The drop-in's oracle, exactly-once and completeness checks; (args, history)."""
+    args = regression.arguments("test", list(DROPIN))
+    history = lineage(world.worker(survivor).progress())
+    assert sorted(history) == list(range(1, max(history) + 1)), "a step is missing or repeated"
+    assert {r["world_size"] for r in history.values()} == {3, 2}
+    consumed_exactly_once(history, args.samples, args.epochs)
+    final = CheckpointManager(world.ckpt, read_only=True).load_latest()
+    assert final.step == max(history)
+    rel = max_rel_diff(final.state["model"], replay_dropin(args, history))
+    assert rel < 1e-9, f"final parameters differ from the replay by {rel:.3e}"
+    return args, history
+
+
 def test_a_hand_written_loop_on_state_run_reforms_in_place_and_matches_the_replay(world_of):
     """trainer/examples/ddp_inplace.py (DataLoader, Adam, warm-up + cosine scheduler): rank
     0 is lost; the survivors re-form in place, with no restart, and finish the epochs."""
@@ -276,15 +290,7 @@ def test_a_hand_written_loop_on_state_run_reforms_in_place_and_matches_the_repla
     for node, rank in (("n1", 0), ("n2", 1)):
         (event,) = _reformed(world.worker(node))
         assert (event["rank"], event["world_size"], event["from_world_size"]) == (rank, 2, 3)
-    args = regression.arguments("test", list(DROPIN))
-    history = lineage(records)
-    assert sorted(history) == list(range(1, max(history) + 1)), "a step is missing or repeated"
-    assert {r["world_size"] for r in history.values()} == {3, 2}
-    consumed_exactly_once(history, args.samples, args.epochs)
-    final = CheckpointManager(world.ckpt, read_only=True).load_latest()
-    assert final.step == max(history)
-    rel = max_rel_diff(final.state["model"], replay_dropin(args, history))
-    assert rel < 1e-9, f"final parameters differ from the replay by {rel:.3e}"
+    args, history = _dropin_matches_the_replay(world, "n1")
     # The scheduler went on across the re-form, rescaled to the world (linear rule, base
     # world 3) beneath it; the first update in the new world is --lr-warmup-steps' ramp.
     ramp = min(s for s, r in history.items() if r["world_size"] == 2)
@@ -293,3 +299,18 @@ def test_a_hand_written_loop_on_state_run_reforms_in_place_and_matches_the_repla
             step - 1, args.warmup_steps, args.cosine_steps, args.warmup_start)
         if step != ramp:
             assert rec["lr"] == pytest.approx(unscaled * rec["world_size"] / 3, rel=1e-12), step
+
+
+def test_a_hand_written_loop_blocked_on_a_frozen_peer_is_released_by_the_record(world_of):
+    """The silent peer for ElasticState.run: the guard's comm hook releases the loop's own
+    loss.backward(), the loop re-forms and finishes without the frozen node."""
+    world = world_of(3, "--step-sleep=0.02", script="ddp_inplace.py", job=DROPIN)
+    world.wait_step(6)
+    os.killpg(world.worker("n1").proc.pid, signal.SIGSTOP)
+    time.sleep(1.0)  # the others are blocked on it now
+    world.lose("n1")
+    assert world.wait("n0") == 0 and world.wait("n2") == 0
+    for node in ("n0", "n2"):
+        (event,) = _reformed(world.worker(node))
+        assert (event["cause"], event["world_size"]) == ("released", 2)
+    _dropin_matches_the_replay(world, "n0")
