@@ -301,6 +301,7 @@ def test_a_hand_written_loop_on_state_run_reforms_in_place_and_matches_the_repla
             assert rec["lr"] == pytest.approx(unscaled * rec["world_size"] / 3, rel=1e-12), step
 
 
+@pytest.mark.dropin  # the mlp loop's frozen-peer case runs by default; this one in make dropin
 def test_a_hand_written_loop_blocked_on_a_frozen_peer_is_released_by_the_record(world_of):
     """The silent peer for ElasticState.run: the guard's comm hook releases the loop's own
     loss.backward(), the loop re-forms and finishes without the frozen node."""
