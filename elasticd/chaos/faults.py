@@ -32,7 +32,8 @@ import psutil
 from checkpointing import layout
 from checkpointing.errors import CorruptCheckpointError
 from checkpointing.manifest import Manifest
-from elasticd.embedded_etcd import EmbeddedEtcd
+from elasticd.embedded_etcd import EmbeddedEtcd, EmbeddedEtcdCluster
+from elasticd.fake_metadata import FakeMetadata
 from elasticd.local_cluster import DaemonNode
 
 Detail = dict[str, Any]
@@ -47,12 +48,14 @@ class Target:
     """What injectors act on: the cluster's nodes by name, its etcd, its checkpoints."""
 
     nodes: dict[str, DaemonNode]
-    etcd: EmbeddedEtcd
+    etcd: EmbeddedEtcd | EmbeddedEtcdCluster
     ckpt_dir: Path
     lease_ttl_s: float = 5.0
     # Checkpoint files this run damaged on purpose: path -> step (the invariants exempt
     # them from "every committed checkpoint verifies" and forbid loading them).
     corrupted: dict[str, int] = field(default_factory=dict)
+    # node -> its fake cloud metadata server (only when a fault needs them)
+    metadata: dict[str, FakeMetadata] = field(default_factory=dict)
 
     def running(self) -> list[DaemonNode]:
         return [n for n in self.nodes.values() if n.running()]
@@ -134,6 +137,8 @@ class Injector:
     # agent's SIGKILL leaves its workers stepping until its successor's rendezvous
     # restarts them (seen), and a daemon's SIGKILL must not leave the old ones behind.
     replaces_workers: ClassVar[bool] = True
+    etcd_members: ClassVar[int] = 1        # the etcd cluster size the fault needs
+    needs_metadata: ClassVar[bool] = False  # each node polls its own fake metadata server
 
     def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
         raise NotImplementedError
@@ -255,8 +260,10 @@ class Drain(Injector):
 
 
 class EtcdRestart(Injector):
+    """Every member at once: the single one, or all three of a cluster (a full outage)."""
+
     name = "etcd-restart"
-    summary = "SIGKILL the (single) etcd member, restart it 3 s later with its data"
+    summary = "SIGKILL every etcd member, restart them 3 s later with their data"
     target_rule = "cluster"
     hold_s = 3.0
     replaces_workers = False   # training goes on through an etcd outage
@@ -387,8 +394,18 @@ class CheckpointWriteKill(Injector):
         return {**detail, "in_flight": _writes_in_flight(t.ckpt_dir)}
 
 
+# The faults of the etcd cluster and the cloud live in their own module, which subclasses
+# Injector above (elasticd/chaos/__init__.py imports this module first, so either order works).
+from elasticd.chaos.cluster_faults import (  # noqa: E402
+    EtcdLeaderKill,
+    EtcdQuorumLoss,
+    FlappingNode,
+    PreemptionNotice,
+)
+
 INJECTORS: dict[str, type[Injector]] = {cls.name: cls for cls in (
     WorkerKill, OomKill, AgentKill, DaemonKill, NodeKill, Rank0NodeKill, NodeStop, Drain,
-    EtcdRestart, CheckpointCorrupt, CheckpointWriteKill)}
+    EtcdRestart, CheckpointCorrupt, CheckpointWriteKill, EtcdLeaderKill, EtcdQuorumLoss,
+    PreemptionNotice, FlappingNode)}
 
 

@@ -21,7 +21,7 @@ def one_fault(kind: str, target: str = "other", at_step: int = 40, final: int = 
     # 700 steps of 0.1 s: room for a rejoin that takes a minute on a loaded machine (seen:
     # 80 s after a node's SIGKILL), so the job does not end in the smaller world first.
     return Scenario(seed=5, faults=(FaultSpec(kind, target, at_step),), nodes=3, final_step=final,
-                    name=kind)
+                    etcd_members=INJECTORS[kind].etcd_members, name=kind)
 
 
 @pytest.mark.timeout(900)
@@ -44,6 +44,19 @@ def test_each_injector_is_recovered_with_every_invariant(kind, tmp_path, job_id)
     if kind == "checkpoint-write-kill":
         # The kill caught a write before its commit (a temp file or no manifest yet).
         assert detail["in_flight"], detail
+    if kind == "etcd-leader-kill":
+        # The leader was killed and another elected; no step lost, no pause (workers never
+        # wait on etcd; the daemons hold every endpoint).
+        assert detail["member"] and detail["new_leader_after_s"] is not None, detail
+        assert metrics[0].steps_lost == 0 and metrics[0].etcd_outage_s <= 5, metrics
+    if kind == "etcd-quorum-loss":
+        assert len(detail["members"]) == 2 and detail["no_leader_while_held"], detail
+        assert metrics[0].steps_lost == 0, metrics
+    if kind == "preemption-notice":
+        assert detail["drain_exit_code"] == 0 and detail["drained_s"] < detail["deadline_s"], detail
+        assert metrics[0].steps_lost == 0
+    if kind == "flapping-node":
+        assert detail["flaps"] == 3 and len(set(detail["daemon_pids"])) == 3, detail
     if kind == "checkpoint-corrupt":
         # The job did load again after the damage, and that load skipped the damaged step.
         resumes = [r for r in rank0_records(result.progress)
