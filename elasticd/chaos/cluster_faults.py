@@ -15,13 +15,19 @@ etcd outage (membership frozen) ends soon after a leader exists again. The invar
 
 * ``preemption-notice``: the node's fake metadata server (elasticd.fake_metadata, on
   127.0.0.1; the runner starts one per node) announces a GCE preemption, 30 s ahead;
-* ``flapping-node``: the node's whole tree SIGKILLed and restarted, several times.
+* ``flapping-node``: the node's whole tree SIGKILLed and restarted, several times;
+* ``checkpoint-dir-full``: the checkpoint directory's filesystem (a small tmpfs: the
+  injector refuses a large one) filled up under the live job, then freed.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
 import subprocess
 import time
+from pathlib import Path
 from typing import ClassVar
 
 from elasticd import proctree
@@ -164,3 +170,52 @@ class FlappingNode(Injector):
     def heal(self, t: Target, victim: DaemonNode | None) -> Detail:
         victim.start()
         return {"restarted": True}
+
+
+FILLER = "chaos-filler"       # not a step, temp or state name: the checkpoint code leaves it alone
+MAX_FILL_BYTES = 1 << 30      # never fill a filesystem larger than this (the machine's own disk)
+
+
+def fill(directory: Path, chunk: int = 1 << 20) -> int:
+    """Write ``directory/FILLER`` until the filesystem is full (ENOSPC); its size in bytes.
+    ``InjectionError`` if the filesystem is larger than MAX_FILL_BYTES."""
+    st = os.statvfs(directory)
+    total = st.f_blocks * st.f_frsize
+    if total > MAX_FILL_BYTES:
+        raise InjectionError(f"{directory} is on a filesystem of {total >> 20} MiB: refusing to fill "
+                             f"it; mount a small tmpfs there (at most {MAX_FILL_BYTES >> 20} MiB)")
+    written = 0
+    block = b"\0" * chunk
+    with open(directory / FILLER, "ab", buffering=0) as f:   # unbuffered: no flush at close
+        while True:
+            try:
+                written += f.write(block)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                if chunk == 1:
+                    return written
+                chunk //= 16           # top up to the last bytes
+                block = b"\0" * chunk
+
+
+class CheckpointDirFull(Injector):
+    """The checkpoint directory's filesystem (a small tmpfs the test mounts) filled up
+    under the live job for HOLD_S, several checkpoint intervals; then the filler is
+    removed. Committed checkpoints must stay whole, the job must go on (the periodic
+    saves fail) or stop clearly, and it must commit checkpoints again once there is space."""
+
+    name = "checkpoint-dir-full"
+    summary = "fill the checkpoint directory's (small tmpfs) filesystem for 15 s, then free it"
+    target_rule = "cluster"
+    replaces_workers = False
+    HOLD_S: ClassVar[float] = 15.0
+
+    def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
+        written = fill(t.ckpt_dir)
+        return {"filled_bytes": written, "free_bytes": shutil.disk_usage(t.ckpt_dir).free}
+
+    def heal(self, t: Target, victim: DaemonNode | None) -> Detail:
+        time.sleep(self.HOLD_S)
+        (t.ckpt_dir / FILLER).unlink()
+        return {"freed": True}

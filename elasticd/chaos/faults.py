@@ -397,6 +397,7 @@ class CheckpointWriteKill(Injector):
 # The faults of the etcd cluster and the cloud live in their own module, which subclasses
 # Injector above (elasticd/chaos/__init__.py imports this module first, so either order works).
 from elasticd.chaos.cluster_faults import (  # noqa: E402
+    CheckpointDirFull,
     EtcdLeaderKill,
     EtcdQuorumLoss,
     FlappingNode,
@@ -406,6 +407,6 @@ from elasticd.chaos.cluster_faults import (  # noqa: E402
 INJECTORS: dict[str, type[Injector]] = {cls.name: cls for cls in (
     WorkerKill, OomKill, AgentKill, DaemonKill, NodeKill, Rank0NodeKill, NodeStop, Drain,
     EtcdRestart, CheckpointCorrupt, CheckpointWriteKill, EtcdLeaderKill, EtcdQuorumLoss,
-    PreemptionNotice, FlappingNode)}
+    PreemptionNotice, FlappingNode, CheckpointDirFull)}
 
 
