@@ -17,8 +17,9 @@ so each can also be fed a tampered history to show it fails (tests/chaos/test_bi
                         run damaged on purpose, and the newest is the final step;
 * ``no-corrupt-load``   no resume loaded a checkpoint while it was damaged;
 * ``recovery-bounded``  per fault: recovery time and steps lost (0 for a drain, a
-                        preemption notice and an etcd fault, at most two checkpoint
-                        intervals otherwise); a preempted node drained within its deadline;
+                        preemption notice, an etcd fault and a full checkpoint disk, at
+                        most two checkpoint intervals otherwise); a preempted node drained
+                        cleanly within its deadline;
 * ``etcd-outage-bounded`` per etcd fault: no daemon's etcd failed it (a failed call, an
                         outage it logged) later than ETCD_BACK_S after the heal, or, after
                         a leader kill, LEADER_CHANGE_S after the kill;
@@ -51,10 +52,10 @@ TOLERANCE = 1e-9
 # a wrong batch or LR moves it by far more from that step on.
 LOSS_TOLERANCE = 1e-8
 STALL_S = 1.0   # a gap between two steps longer than this is an interruption (steps: ~0.07 s)
-# Faults that must cost no step: a drain checkpoints at an agreed step, and the workers
-# never wait on etcd.
+# Faults that must cost no step: a drain checkpoints at an agreed step, the workers never
+# wait on etcd, and a full checkpoint disk only skips periodic saves.
 ZERO_LOSS = frozenset({"drain", "preemption-notice", "etcd-restart", "etcd-leader-kill",
-                       "etcd-quorum-loss"})
+                       "etcd-quorum-loss", "checkpoint-dir-full"})
 ETCD_FAULTS = frozenset({"etcd-restart", "etcd-leader-kill", "etcd-quorum-loss"})
 # How a daemon's log shows etcd failing it: its membership view or lease keeper lost etcd
 # ("etcd unreachable; membership frozen ...", "...; lease keep-alive retrying") until the
