@@ -12,11 +12,12 @@ import subprocess
 
 import pytest
 
-from elasticd.chaos.cluster_faults import FILLER
+from elasticd.chaos.cluster_faults import FILLER, EtcdLeaderKill, etcd_cluster
 from elasticd.chaos.faults import INJECTORS
-from elasticd.chaos.invariants import rank0_records
+from elasticd.chaos.invariants import LEADER_CHANGE_S, check_all, rank0_records
+from elasticd.chaos.run import run_scenario
 from elasticd.chaos.scenario import FaultSpec, Scenario
-from elasticd.local_cluster import json_lines, record_time
+from elasticd.local_cluster import Cluster, json_lines, record_time
 from tests.chaos.common import run_checked
 
 pytestmark = pytest.mark.chaos
@@ -101,3 +102,32 @@ def test_a_full_checkpoint_filesystem_loses_no_committed_checkpoint(small_ckpt_f
     committed_after = [e for e in events if e.get("event") == "checkpoint_committed"
                        and (record_time(e) or 0) > fault.t_heal]
     assert committed_after, "no checkpoint committed once the space was back"
+
+
+class _KillTheDaemonsMember(EtcdLeaderKill):
+    """The weakened system's fault: kill the one member the daemons were given (the
+    leader or not) for 8 s, longer than a leader change may take."""
+
+    hold_s = 8.0
+
+    def inject(self, t, victim):
+        cluster = etcd_cluster(t)
+        self._old = cluster.members[0]
+        was_leader = cluster.leader() is self._old
+        cluster.kill(self._old)
+        return {"member": self._old.name, "was_leader": was_leader}
+
+
+@pytest.mark.timeout(900)
+def test_the_etcd_outage_check_bites_when_the_daemons_hold_one_member(tmp_path, job_id, monkeypatch):
+    """Weakened on purpose: every daemon (and agent) gets one endpoint, the first member's,
+    as a config written for a single etcd would; that member's kill cuts them off until
+    it is restarted, and etcd-outage-bounded fails, naming the fault."""
+    monkeypatch.setattr(Cluster, "endpoint", property(lambda self: self.etcd.endpoints[0]))
+    monkeypatch.setitem(INJECTORS, "etcd-leader-kill", _KillTheDaemonsMember)
+    result = run_scenario(one_fault("etcd-leader-kill", final=500), tmp_path / "cluster", job=job_id)
+    checks, metrics = check_all(result)
+    failed = {c.name: c for c in checks if not c.passed}
+    assert "etcd-outage-bounded" in failed, checks
+    assert failed["etcd-outage-bounded"].fault == "#0 etcd-leader-kill"
+    assert metrics[0].etcd_outage_s > LEADER_CHANGE_S, metrics
