@@ -209,6 +209,7 @@ class CheckpointDirFull(Injector):
     summary = "fill the checkpoint directory's (small tmpfs) filesystem for 15 s, then free it"
     target_rule = "cluster"
     replaces_workers = False
+    drawn_by_default = False     # the checkpoint directory must be a small tmpfs first
     HOLD_S: ClassVar[float] = 15.0
 
     def inject(self, t: Target, victim: DaemonNode | None) -> Detail:

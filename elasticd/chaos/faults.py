@@ -139,6 +139,9 @@ class Injector:
     replaces_workers: ClassVar[bool] = True
     etcd_members: ClassVar[int] = 1        # the etcd cluster size the fault needs
     needs_metadata: ClassVar[bool] = False  # each node polls its own fake metadata server
+    # False: the fault needs a setup the runner cannot make (a small mounted filesystem),
+    # so it is left out of the command line's default draw and of the random sequence.
+    drawn_by_default: ClassVar[bool] = True
 
     def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
         raise NotImplementedError
@@ -410,3 +413,6 @@ INJECTORS: dict[str, type[Injector]] = {cls.name: cls for cls in (
     PreemptionNotice, FlappingNode, CheckpointDirFull)}
 
 
+def default_kinds() -> list[str]:
+    """The fault kinds a draw uses unless told otherwise (see ``drawn_by_default``)."""
+    return sorted(name for name, cls in INJECTORS.items() if cls.drawn_by_default)

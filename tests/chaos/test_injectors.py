@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from elasticd.chaos.cluster_faults import FILLER, EtcdLeaderKill, etcd_cluster
-from elasticd.chaos.faults import INJECTORS
+from elasticd.chaos.faults import INJECTORS, default_kinds
 from elasticd.chaos.invariants import LEADER_CHANGE_S, check_all, rank0_records
 from elasticd.chaos.run import run_scenario
 from elasticd.chaos.scenario import FaultSpec, Scenario
@@ -30,8 +30,8 @@ def one_fault(kind: str, target: str = "other", at_step: int = 40, final: int = 
                     etcd_members=INJECTORS[kind].etcd_members, name=kind)
 
 
-# Needs the checkpoint directory on a small filesystem: its own test below mounts one.
-MOUNTED = {"checkpoint-dir-full"}
+# Need the checkpoint directory on a small filesystem: its own test below mounts one.
+MOUNTED = set(INJECTORS) - set(default_kinds())
 
 
 @pytest.mark.timeout(900)
