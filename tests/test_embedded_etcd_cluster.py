@@ -1,14 +1,17 @@
 """The 3-member loopback etcd cluster (``EmbeddedEtcdCluster``): a leader, a new one after
-the leader's SIGKILL, none while a quorum is lost, and the data back once it returns."""
+the leader's SIGKILL, none while a quorum is lost, and the data back once it returns; a
+local cluster on it gives its daemons every endpoint."""
 
 from __future__ import annotations
 
 import pytest
 
 from elasticd import proctree
+from elasticd.config import load_config
 from elasticd.embedded_etcd import EmbeddedEtcdCluster
 from elasticd.errors import EtcdUnavailable
 from elasticd.etcd_client import EtcdClient, EtcdSettings, no_retry
+from elasticd.local_cluster import local_cluster
 
 
 def _client(endpoints: tuple[str, ...]) -> EtcdClient:
@@ -52,3 +55,15 @@ def test_a_cluster_of_its_own_removes_its_directory():
     assert cluster.leader() is cluster.members[0]
     cluster.stop()
     assert not root.exists() and not cluster.processes()
+
+
+def test_a_local_cluster_of_three_members_gives_every_daemon_every_endpoint(tmp_path):
+    with local_cluster(tmp_path / "c", etcd_members=3) as cluster:
+        assert isinstance(cluster.etcd, EmbeddedEtcdCluster) and cluster.etcd.leader() is not None
+        node = cluster.daemon("a", "job", start=False)
+        node.prepare()
+        assert load_config(node.config_path, env={}).etcd.endpoints == cluster.etcd.endpoints
+    assert not cluster.etcd.processes() and not cluster.leftover
+    with pytest.raises(ValueError, match="etcd_members=2: 1 or 3"), \
+            local_cluster(tmp_path / "d", etcd_members=2):
+        pass
