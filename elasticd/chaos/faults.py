@@ -4,8 +4,10 @@ An injector acts on a live local cluster (``Target``: the cluster's nodes, its e
 checkpoint directory) and returns what it did, for the report. ``inject`` is the fault
 itself; ``heal`` brings the victim back (restarts a killed node, continues a stopped one)
 or does nothing where the system must recover on its own (a killed worker, agent or
-checkpoint writer). Every injector only signals processes of the cluster it was given or
-edits files under its root: nothing outside the test's own tree is touched.
+checkpoint writer). Every injector only signals processes of the cluster it was given
+(its nodes, its etcd members), edits files under its root or tells the cluster's own fake
+metadata servers what to announce: nothing outside the test's own tree is touched. The
+etcd-cluster, cloud and machine faults are in ``cluster_faults.py``.
 
 Process roles inside one node's tree (``python -m elasticd run`` at the root):
 
