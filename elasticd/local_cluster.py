@@ -35,7 +35,7 @@ from typing import Any, Self, TypeVar
 import psutil
 
 from elasticd import proctree
-from elasticd.embedded_etcd import EmbeddedEtcd
+from elasticd.embedded_etcd import EmbeddedEtcd, EmbeddedEtcdCluster
 
 REPO = Path(__file__).resolve().parents[1]
 MLP = str(REPO / "trainer" / "examples" / "mlp.py")
@@ -54,6 +54,8 @@ def write_config(path: Path, *, job: str, node: str, endpoint: str, run_dir: Pat
                  sections: str = "", recovery: str | None = None) -> Path:
     """A node's TOML config; ``extra`` lines go into [supervisor], ``sections`` at the end.
 
+    ``endpoint``: one etcd endpoint, or several comma-separated (every member of a cluster).
+
     ``recovery``: ``[recovery] mode`` ("in-place" | "restart"); None leaves the config's
     default (in-place) and the section to ``sections``.
     """
@@ -69,7 +71,7 @@ nproc_per_node = 1
 entrypoint = {json.dumps(entry)}
 
 [etcd]
-endpoints = ["{endpoint}"]
+endpoints = {json.dumps(endpoint.split(","))}
 
 [node]
 id = "{node}"
@@ -486,14 +488,15 @@ N = TypeVar("N", bound=Node)
 
 
 class Cluster:
-    """Nodes on one machine under one root directory, optionally with their own etcd.
+    """Nodes on one machine under one root directory, optionally with their own etcd (one
+    member or a cluster of three).
 
     Use ``local_cluster()``: it guarantees ``stop()``. ``add`` starts a node and keeps it;
     ``daemon`` and ``torchrun`` build and add the two kinds with the cluster's root and
     etcd endpoint filled in.
     """
 
-    def __init__(self, root: Path, etcd: EmbeddedEtcd | None = None) -> None:
+    def __init__(self, root: Path, etcd: EmbeddedEtcd | EmbeddedEtcdCluster | None = None) -> None:
         self.root = root
         self.etcd = etcd
         self.nodes: list[Node] = []
@@ -505,7 +508,7 @@ class Cluster:
     def endpoint(self) -> str:
         if self.etcd is None:
             raise RuntimeError("this cluster has no etcd; pass etcd=True to local_cluster()")
-        return self.etcd.endpoint
+        return ",".join(self.etcd.endpoints)   # a daemon gets every member
 
     def add(self, node: N, start: bool = True) -> N:
         self.nodes.append(node)
@@ -524,10 +527,10 @@ class Cluster:
         workers included), then its etcd. Returns what survived (should be nothing)."""
         stop_all(self.nodes)
         spare = set(self._before)
-        if self.etcd is not None and self.etcd.proc is not None:
+        for proc in self.etcd.processes() if self.etcd is not None else []:
             # etcd (maybe restarted by a test since) goes last, by its own stop().
             with contextlib.suppress(psutil.Error):
-                spare |= {i for i in [_identity(psutil.Process(self.etcd.proc.pid))] if i}
+                spare |= {i for i in [_identity(psutil.Process(proc.pid))] if i}
         left = kill_descendants(spare)
         if self.etcd is not None:
             self.etcd.stop()
@@ -537,16 +540,24 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def local_cluster(root: Path | None = None, *, etcd: bool = True, keep: bool = False) -> Iterator[Cluster]:
+def local_cluster(root: Path | None = None, *, etcd: bool = True, keep: bool = False,
+                  etcd_members: int = 1) -> Iterator[Cluster]:
     """A ``Cluster`` whose processes are all gone when the block ends, however it ends.
 
     ``root``: the directory for configs, logs and checkpoints (default: a temp dir,
-    removed at the end unless ``keep``). ``etcd``: start a throw-away etcd in it.
+    removed at the end unless ``keep``). ``etcd``: start a throw-away etcd in it, one
+    member (``EmbeddedEtcd``) or, with ``etcd_members=3``, an ``EmbeddedEtcdCluster``
+    whose every endpoint the daemons get.
     """
+    if etcd_members not in (1, 3):
+        raise ValueError(f"etcd_members={etcd_members}: 1 or 3")
     own = root is None
     root = Path(tempfile.mkdtemp(prefix="elasticd-cluster-")) if root is None else root
     root.mkdir(parents=True, exist_ok=True)
-    server = EmbeddedEtcd(data_dir=str(root / "etcd")).start() if etcd else None
+    server: EmbeddedEtcd | EmbeddedEtcdCluster | None = None
+    if etcd:
+        server = (EmbeddedEtcd(data_dir=str(root / "etcd")) if etcd_members == 1
+                  else EmbeddedEtcdCluster(root / "etcd")).start()
     cluster = Cluster(root, server)
     try:
         yield cluster

@@ -78,6 +78,12 @@ def test_the_job_is_the_float64_mlp_with_every_step_logged_to_the_final_step():
     assert "--lr-base-world-size=3" in cmd
 
 
+def test_the_default_draw_leaves_out_only_what_needs_a_mounted_filesystem():
+    from elasticd.chaos.faults import default_kinds
+
+    assert set(INJECTORS) - set(default_kinds()) == {"checkpoint-dir-full"}
+
+
 def test_every_injector_is_drawable_and_named_once():
     sc = draw(0, INJECTORS)
     assert sorted(f.kind for f in sc.faults) == sorted(INJECTORS)

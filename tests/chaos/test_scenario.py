@@ -59,7 +59,9 @@ def test_a_bad_fault_is_refused_with_its_number_and_the_fix(fault, message):
 @pytest.mark.parametrize(("raw", "message"), [
     ({"fault": []}, "no faults"),
     ({"nodes": 1, "fault": [{"kind": "drain", "at_step": 1}]}, "nodes = 1"),
-    ({"etcd_members": 3, "fault": [{"kind": "drain", "at_step": 1}]}, "etcd_members = 3"),
+    ({"etcd_members": 2, "fault": [{"kind": "drain", "at_step": 1}]}, "etcd_members = 2: 1 or 3"),
+    ({"etcd_members": 1, "fault": [{"kind": "etcd-quorum-loss", "at_step": 1}]},
+     "etcd-quorum-loss needs a 3-member"),
     ({"step_sleep": "slow", "fault": [{"kind": "drain", "at_step": 1}]}, "step_sleep"),
     ({"colour": 1, "fault": [{"kind": "drain", "at_step": 1}]}, "unknown key(s) ['colour']"),
 ])
@@ -89,3 +91,10 @@ def test_a_draw_is_a_function_of_the_seed_and_the_set_of_kinds():
 def test_a_draw_refuses_unknown_kinds():
     with pytest.raises(ScenarioError, match="unknown fault kind"):
         draw(1, ["node-kill", "meteor"])
+
+
+def test_a_leader_or_quorum_fault_gets_three_etcd_members_by_default():
+    assert from_dict({"fault": [{"kind": "drain", "at_step": 1}]}).etcd_members == 1
+    sc = from_dict({"fault": [{"kind": "drain", "at_step": 1}, {"kind": "etcd-leader-kill", "at_step": 2}]})
+    assert sc.etcd_members == 3
+    assert draw(1, INJECTORS).etcd_members == 3

@@ -19,7 +19,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from elasticd.chaos.faults import committed
 from elasticd.embedded_etcd import free_port
+from tests.checkpointing.helpers import FaultyStorage
 from tests.trainer.launch import EXAMPLES
 from trainer import dist as tdist
 from trainer.context import ElasticContext
@@ -272,6 +274,22 @@ def test_a_failure_commits_the_last_step_only_while_the_weights_are_those_of_it(
     assert state.fail(tdist.CollectiveError("peer gone")) == 1
     state.close()
     assert state.checkpoints.latest_step() == 4  # the periodic save, not a lie about step 5
+
+
+def test_a_full_checkpoint_disk_skips_periodic_saves_and_training_goes_on(world_of_one):
+    """Regression (the chaos suite's checkpoint-dir-full): a periodic save's ENOSPC was
+    raised into the training loop at the next save and killed the worker."""
+    state, loader, sampler = _job(world_of_one)   # a checkpoint every 4 steps
+    full = FaultyStorage(state.checkpoints.directory)
+    full.space_left = 0
+    state.checkpoints.storage = full
+    _train(state, loader, sampler, epochs=3)       # 15 steps: saves at 4 (fails), 8, 12
+    assert state.step == 15 and state.checkpoints.latest_step() is None   # nothing committed
+    full.space_left = None                         # space is back
+    _train(state, loader, sampler, epochs=4)       # steps 16 and 20 commit
+    state.checkpoints.wait()
+    assert state.step == 20 and sorted(s for s, _ in committed(full.root)) == [16, 20]
+    state.close()
 
 
 def test_bad_loaders_are_refused_with_the_fix(world_of_one):
