@@ -101,6 +101,9 @@ class NodeConfig:
     addr: str = "127.0.0.1"
     lease_ttl_s: int = 5
     probe_interval_s: float = 0.5
+    # Probe this many ring successors (node-id order); 0: every peer. Each node is then
+    # probed by as many predecessors, and a daemon's probes do not grow with the job.
+    probe_neighbours: int = 2
     log_dir: str | None = None
     run_dir: str | None = None   # progress and stop files; default: a temp dir per daemon
 
@@ -110,6 +113,9 @@ class NodeConfig:
                  self.lease_ttl_s, "use whole seconds >= 2 (the keep-alive runs 3 times per TTL)")
         _require(0 < self.probe_interval_s <= 10, "node.probe_interval_s", self.probe_interval_s,
                  "use seconds in (0, 10]")
+        _require(isinstance(self.probe_neighbours, int) and self.probe_neighbours >= 0,
+                 "node.probe_neighbours", self.probe_neighbours,
+                 "use a whole number >= 0 (0: probe every peer; 2 is the default)")
 
 
 @dataclass(frozen=True)

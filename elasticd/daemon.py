@@ -158,7 +158,9 @@ class Daemon:
         self.journal = Journal(self.client, self.keys, self.node_id)
         self.jobs = JobReader(self.client, self.keys, self.node_id, clock=self.clock)
         self.scanner = CheckpointScanner(self.config.checkpoint.dir).start()
-        self.prober = Prober(self.membership.peers, self.config.node.probe_interval_s).start()
+        self.prober = Prober(self.membership.peers, self.config.node.probe_interval_s,
+                             me=self.node_id,
+                             neighbours=self.config.node.probe_neighbours).start()
         with deadline(CYCLE_DEADLINE_S):
             self._record("node-joined")
         self._start_preemption_watcher()

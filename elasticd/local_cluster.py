@@ -41,7 +41,7 @@ from typing import Any, Self, TypeVar
 import psutil
 
 from elasticd import netlab, proctree
-from elasticd.embedded_etcd import EmbeddedEtcd
+from elasticd.embedded_etcd import EmbeddedEtcd, EmbeddedEtcdCluster
 
 REPO = Path(__file__).resolve().parents[1]
 MLP = str(REPO / "trainer" / "examples" / "mlp.py")
@@ -60,6 +60,8 @@ def write_config(path: Path, *, job: str, node: str, endpoint: str, run_dir: Pat
                  sections: str = "", recovery: str | None = None, addr: str = "127.0.0.1") -> Path:
     """A node's TOML config; ``extra`` lines go into [supervisor], ``sections`` at the end.
 
+    ``endpoint``: one etcd endpoint, or several comma-separated (every member of a cluster).
+
     ``recovery``: ``[recovery] mode`` ("in-place" | "restart"); None leaves the config's
     default (in-place) and the section to ``sections``. ``addr``: ``node.addr``, the
     address the node binds and advertises.
@@ -76,7 +78,7 @@ nproc_per_node = 1
 entrypoint = {json.dumps(entry)}
 
 [etcd]
-endpoints = ["{endpoint}"]
+endpoints = {json.dumps(endpoint.split(","))}
 
 [node]
 id = "{node}"
@@ -495,14 +497,15 @@ N = TypeVar("N", bound=Node)
 
 
 class Cluster:
-    """Nodes on one machine under one root directory, optionally with their own etcd.
+    """Nodes on one machine under one root directory, optionally with their own etcd (one
+    member or a cluster of three).
 
     Use ``local_cluster()``: it guarantees ``stop()``. ``add`` starts a node and keeps it;
     ``daemon`` and ``torchrun`` build and add the two kinds with the cluster's root and
     etcd endpoint filled in.
     """
 
-    def __init__(self, root: Path, etcd: EmbeddedEtcd | None = None,
+    def __init__(self, root: Path, etcd: EmbeddedEtcd | EmbeddedEtcdCluster | None = None,
                  net: netlab.Network | None = None) -> None:
         self.root = root
         self.etcd = etcd
@@ -516,7 +519,7 @@ class Cluster:
     def endpoint(self) -> str:
         if self.etcd is None:
             raise RuntimeError("this cluster has no etcd; pass etcd=True to local_cluster()")
-        return self.etcd.endpoint
+        return ",".join(self.etcd.endpoints)   # a daemon gets every member
 
     def add(self, node: N, start: bool = True) -> N:
         self.nodes.append(node)
@@ -546,10 +549,10 @@ class Cluster:
         workers included), then its etcd. Returns what survived (should be nothing)."""
         stop_all(self.nodes)
         spare = set(self._before)
-        if self.etcd is not None and self.etcd.proc is not None:
+        for proc in self.etcd.processes() if self.etcd is not None else []:
             # etcd (maybe restarted by a test since) goes last, by its own stop().
             with contextlib.suppress(psutil.Error):
-                spare |= {i for i in [_identity(psutil.Process(self.etcd.proc.pid))] if i}
+                spare |= {i for i in [_identity(psutil.Process(proc.pid))] if i}
         left = kill_descendants(spare)
         if self.etcd is not None:
             self.etcd.stop()
@@ -563,15 +566,21 @@ class Cluster:
 
 @contextlib.contextmanager
 def local_cluster(root: Path | None = None, *, etcd: bool = True, keep: bool = False,
-                  network: bool = False) -> Iterator[Cluster]:
+                  network: bool = False, etcd_members: int = 1) -> Iterator[Cluster]:
     """A ``Cluster`` whose processes (and namespaces) are all gone when the block ends,
     however it ends.
 
     ``root``: the directory for configs, logs and checkpoints (default: a temp dir,
-    removed at the end unless ``keep``). ``etcd``: start a throw-away etcd in it.
-    ``network``: every daemon node and the etcd in a network namespace of its own
-    (``elasticd.netlab``; needs root).
+    removed at the end unless ``keep``). ``etcd``: start a throw-away etcd in it, one
+    member (``EmbeddedEtcd``) or, with ``etcd_members=3``, an ``EmbeddedEtcdCluster``
+    whose every endpoint the daemons get. ``network``: every daemon node and the etcd in
+    a network namespace of its own (``elasticd.netlab``; needs root; one etcd member).
     """
+    if etcd_members not in (1, 3):
+        raise ValueError(f"etcd_members={etcd_members}: 1 or 3")
+    if network and etcd_members != 1:
+        raise ValueError("network=True runs one etcd member in its namespace; use "
+                         "etcd_members=1 (a 3-member cluster is on loopback only)")
     own = root is None
     root = Path(tempfile.mkdtemp(prefix="elasticd-cluster-")) if root is None else root
     root.mkdir(parents=True, exist_ok=True)
@@ -580,7 +589,9 @@ def local_cluster(root: Path | None = None, *, etcd: bool = True, keep: bool = F
     try:
         if net is not None:
             net.open()
-        if etcd:
+        if etcd and etcd_members == 3:
+            cluster.etcd = EmbeddedEtcdCluster(root / "etcd").start()
+        elif etcd:
             where = {} if net is None else {
                 "host": netlab.ETCD_HOST, "netns": net.add("etcd", netlab.ETCD_HOST).netns}
             cluster.etcd = EmbeddedEtcd(data_dir=str(root / "etcd"), **where).start()

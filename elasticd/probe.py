@@ -6,6 +6,13 @@ connect proves nothing; the daemon's own thread must reply. Outcomes:
 * ``ALIVE``: the daemon answered;
 * ``REFUSED``: nothing listens (the daemon died): certain, and immediate;
 * ``SILENT``: connected or timed out without an answer (stopped, hung, partitioned).
+
+Each daemon probes only its ``neighbours`` successors in node-id order (a ring), so a
+daemon's probes per second stay the same whatever the number of nodes, and every node
+is still watched by that many predecessors. A refused probe makes its prober delete the
+dead peer's record; every other daemon learns of the crash from that deletion in its
+watch (and confirms it with one probe of its own), so the eviction is still decided
+through etcd, once.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import contextlib
 import enum
 import socket
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -79,8 +86,21 @@ def probe(endpoint: str, timeout_s: float = 1.0) -> Liveness:
         return Liveness.SILENT
 
 
+def ring_successors(me: str, peers: Iterable[str], k: int) -> list[str]:
+    """The ``k`` peers after ``me`` in node-id order, wrapping around (``me`` need not be
+    among ``peers``); every peer when ``k`` is 0 or covers them all."""
+    ids = sorted(set(peers) - {me})
+    if k <= 0 or k >= len(ids):
+        return ids
+    after = [i for i in ids if i > me]
+    return (after + [i for i in ids if i < me])[:k]
+
+
 class Prober:
-    """Probes every peer each ``interval_s`` from a thread; collects those refused.
+    """Probes its peers each ``interval_s`` from a thread; collects those refused.
+
+    With ``me`` and ``neighbours`` > 0 only the ring successors (``ring_successors``) are
+    probed; else every peer.
 
     Only REFUSED is acted on at once (a crashed daemon: certain and immediate); a
     SILENT peer is left to its lease, because slowness is not death. Probes run
@@ -90,8 +110,10 @@ class Prober:
     """
 
     def __init__(self, peers: Callable[[], Mapping[str, Any]], interval_s: float,
-                 timeout_s: float = 0.3, confirm_timeout_s: float = 0.5) -> None:
+                 timeout_s: float = 0.3, confirm_timeout_s: float = 0.5,
+                 me: str = "", neighbours: int = 0) -> None:
         self._peers = peers       # () -> {node_id: membership.Peer}
+        self._me, self._neighbours = me, neighbours
         self._interval_s = interval_s
         self._timeout_s = timeout_s
         self._confirm_timeout_s = confirm_timeout_s
@@ -108,7 +130,7 @@ class Prober:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
-            peers = [p for p in self._peers().values() if p.probe]
+            peers = self.targets()
             try:
                 answers = list(self._pool.map(lambda p: probe(p.probe, self._timeout_s), peers))
             except RuntimeError:
@@ -117,6 +139,11 @@ class Prober:
                 for peer, liveness in zip(peers, answers, strict=True):
                     if liveness is Liveness.REFUSED:
                         self._refused[peer.node_id] = peer
+
+    def targets(self) -> list[Any]:
+        """The peers this round probes: the ring successors among those with a probe."""
+        probed = {p.node_id: p for p in self._peers().values() if p.probe}
+        return [probed[i] for i in ring_successors(self._me, probed, self._neighbours)]
 
     def confirm(self, node_id: str, endpoint: str | None) -> None:
         """Probe a peer once more in the background (no endpoint: it counts as refused)."""

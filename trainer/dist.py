@@ -42,7 +42,7 @@ _TRANSPORT_FAILURE_MARKERS = (
 
 def is_collective_failure(exc: BaseException) -> bool:
     """True when ``exc`` means a peer or collective failed, not a bug in the script."""
-    if isinstance(exc, dist.DistError):
+    if isinstance(exc, (dist.DistError, CollectiveError)):
         return True
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(m in text for m in _TRANSPORT_FAILURE_MARKERS)

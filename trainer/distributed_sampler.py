@@ -238,6 +238,15 @@ class ElasticDistributedSampler(Sampler[int]):
             )
             self._position = target
 
+    def reshard(self, num_replicas: int, rank: int) -> None:
+        """Continue at the same position in a world of ``num_replicas`` as ``rank`` (an
+        in-place re-form): the next iteration is laid out for the new world."""
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ConfigError(f"reshard({num_replicas}, {rank}) is invalid: pass the new world "
+                              "size (>= 1) and a rank in [0, world size)")
+        self.num_replicas, self.rank = num_replicas, rank
+        self._start = None
+
     def state_dict(self) -> dict[str, Any]:
         """Plain ints and bools, safe to load with ``weights_only=True``; the same on every rank."""
         return {

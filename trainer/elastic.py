@@ -38,7 +38,7 @@ from typing import Any, NoReturn
 import structlog
 import torch
 
-from checkpointing.errors import StaleGenerationError
+from checkpointing.errors import StaleGenerationError, StorageFullError
 from trainer import dist as tdist
 from trainer.context import ElasticContext
 from trainer.errors import ConfigError
@@ -46,6 +46,7 @@ from trainer.exitcodes import COMPLETE_EXIT_CODE, FAILURE_EXIT_CODE, STOP_EXIT_C
 from trainer.logs import configure_logging
 from trainer.lr import LRScale, Schedule, start_scale
 from trainer.progress import ProgressReporter
+from trainer.recover import InPlace
 from trainer.state import Stateful, TrainState
 from trainer.stop import StopRequest
 from trainer.watchdog import OrphanWatchdog
@@ -109,6 +110,7 @@ class ElasticState:
         sampler = _sampler_of(loader, sampler)
         stateful = {"scheduler": scheduler, "scaler": scaler,
                     **{f"extra.{name}": obj for name, obj in (extra or {}).items()}}
+        self._wrapped = model is not unwrap(model)
         self.state = TrainState(model=unwrap(model), optimizer=optimizer, sampler=sampler,
                                 world_size=self.ctx.world_size,
                                 global_batch=(self.batch_size or 0) * self.ctx.world_size,
@@ -272,6 +274,48 @@ class ElasticState:
         if samples is not None:
             self.state.sampler.advance(samples)
 
+    # -- in-place recovery for a hand-written loop (trainer.recover) ----------------------
+
+    def run(self, train: Callable[[torch.nn.Module], object], **ddp_kwargs: Any) -> int:
+        """Run ``train(model)`` to its end, re-forming the group in place after a lost peer.
+
+        ``model`` is the model wrapped in DDP over the current group, its collectives
+        guarded (``trainer.recover``): ``train`` uses it, not a DDP wrapper of its own,
+        and starts its epochs at ``state.epoch``. After a re-form ``train`` is called again
+        with the new group's model; the sampler continues at its position in the new
+        world, so the step in flight is redone there. Returns ``finish()``'s exit code.
+        A failure that cannot be recovered in place propagates (``supervise``'s hook then
+        commits what can be, and the process exits for the restart path). Without the
+        in-place mode (no daemon, or ``[recovery] mode = "restart"``) it is the plain loop.
+        ``ddp_kwargs`` go to ``DistributedDataParallel``.
+        """
+        if self._wrapped:
+            raise ConfigError("ElasticState.run wraps the model in DDP itself: pass the module "
+                              "(not a DistributedDataParallel) to ElasticState")
+        recovery = InPlace(self, torch.distributed.get_backend(), tdist.DEFAULT_TIMEOUT,
+                           ddp_kwargs, on_world=self._reshard)
+        self.progress.publish_generation = self.ctx.in_place  # the daemons may re-form it
+        recovery.install_guard()
+        model = recovery.wrap(self.state.model)
+        while True:
+            try:
+                train(model)
+            except Exception as exc:
+                collective = tdist.is_collective_failure(exc) or tdist.guard_released()
+                reformed = recovery.recover(exc, model) if collective else None
+                if reformed is None:
+                    raise
+                model = reformed
+                continue
+            return self.finish()
+
+    def _reshard(self) -> None:
+        """The sampler's layout and the global batch of the world just adopted."""
+        reshard = getattr(self.state.sampler, "reshard", None)
+        if reshard is not None:
+            reshard(self.ctx.world_size, self.ctx.rank)
+        self.state.global_batch = (self.batch_size or 0) * self.ctx.world_size
+
     # -- checkpoints and endings ---------------------------------------------------------
 
     def periodic_checkpoint(self) -> bool:
@@ -280,7 +324,18 @@ class ElasticState:
         due = checkpoint_due(self.state.step, time.monotonic() - self._last_save,
                              self.ctx.checkpoint_every_steps, self.ctx.checkpoint_every_s)
         if due:
-            self.save("periodic", blocking=False)
+            try:
+                self.save("periodic", blocking=False)
+            except StorageFullError as exc:
+                # A full checkpoint disk is no reason to stop training: the committed
+                # checkpoints are intact, and a restarted worker could not even start
+                # (its fence write fails too). Found by the chaos suite: the raise killed
+                # the worker, 40 steps were redone. save() raised the earlier write's
+                # failure and took nothing: take this step now (while the disk is still
+                # full its write fails too, and that is raised, and skipped, at the next).
+                log.warning("periodic checkpoint failed: checkpoint storage full; training on",
+                            step=self.state.step, error=str(exc))
+                self.save("periodic", blocking=False)
         return due
 
     def save(self, reason: str, blocking: bool) -> None:
@@ -354,7 +409,7 @@ class ElasticState:
         """
         if isinstance(exc, StaleGenerationError):
             return self.on_stale(exc)
-        collective = isinstance(exc, tdist.CollectiveError) or tdist.is_collective_failure(exc)
+        collective = tdist.is_collective_failure(exc)
         log.error("collective failed; exiting for a restart" if collective else
                   "the training loop raised; exiting", step=self.state.step, error=str(exc)[:500])
         if collective and self.state.step > max(self.saved_step, 0) and self.consistent():

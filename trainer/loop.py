@@ -28,7 +28,6 @@ same code a hand-written loop runs through ``ElasticState``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,15 +39,14 @@ import structlog
 import torch
 
 from checkpointing.errors import StaleGenerationError
-from elasticd.generation import GenerationRecord
 from trainer import dist as tdist
-from trainer import inplace
 from trainer.batching import BatchPlan, micro_batches, plan_batches, shard
 from trainer.context import ElasticContext
 from trainer.elastic import ElasticState, checkpoint_due
 from trainer.errors import ConfigError
 from trainer.exitcodes import FAILURE_EXIT_CODE, STOP_EXIT_CODE
 from trainer.lr import Schedule
+from trainer.recover import InPlace
 from trainer.sampler import ElasticSampler
 from trainer.state import TrainState, reseed, step_seed
 
@@ -155,6 +153,8 @@ class ElasticTrainer:
         self.es.progress.publish_generation = True  # this loop re-forms in place
         self.device = torch.device("cpu")
         self.backend = tdist.choose_backend(config.backend)
+        self.recovery = InPlace(self.es, self.backend, config.timeout, config.ddp_kwargs,
+                                on_world=self._replan)
         self.ddp: torch.nn.Module = model
 
     @property
@@ -187,9 +187,9 @@ class ElasticTrainer:
     def _setup(self) -> None:
         self.device = tdist.init_distributed(self.ctx, self.config.backend, self.config.timeout)
         self.state.model.to(self.device)
-        self._install_guard()
+        self.recovery.install_guard()
         self.es.start(self.device)  # the stop signals are caught from here (see start)
-        self.ddp = tdist.wrap_ddp(self.state.model, self.device, **self.config.ddp_kwargs)
+        self.ddp = self.recovery.wrap(self.state.model)
 
     def _close(self) -> StaleGenerationError | None:
         """Finish the in-flight save; returns its StaleGenerationError if it was refused."""
@@ -209,23 +209,7 @@ class ElasticTrainer:
         # fail), so rank 0 can keep the steps done since the last periodic checkpoint.
         return self.es.fail(exc)
 
-    # -- in-place recovery (trainer.inplace) ----------------------------------------------
-
-    def _install_guard(self) -> None:
-        """In in-place mode, every collective waits through a guard that the daemon's next
-        generation releases (the silent-peer case: nothing else would release it)."""
-        if not self.ctx.in_place:
-            return
-        assert self.ctx.generation_file is not None and self.ctx.generation_id is not None
-        watch = inplace.GenerationWatch(self.ctx.generation_file, self.ctx.generation_id)
-
-        def released() -> str | None:
-            record = watch.newer()
-            return None if record is None else (
-                f"the daemons formed generation {record.id} without {', '.join(record.lost)}")
-
-        tdist.install_guard(inplace.CollectiveGuard(released, self.backend,
-                                                    self.config.timeout.total_seconds()))
+    # -- in-place recovery (trainer.recover) ----------------------------------------------
 
     def _train_recovering(self) -> int:
         """Train; in in-place mode a failed collective re-forms the group and training goes on."""
@@ -233,91 +217,16 @@ class ElasticTrainer:
             try:
                 return self._train()
             except tdist.CollectiveError as exc:
-                if not self._recover_in_place(exc):
+                ddp = self.recovery.recover(exc, self.ddp)
+                if ddp is None:
                     raise
+                self.ddp = ddp
 
-    def _recover_in_place(self, exc: tdist.CollectiveError) -> bool:
-        """Re-form the group in the next generation; False (after reporting why) if it failed."""
-        if not self.ctx.in_place:
-            return False
-        started = time.monotonic()
-        from_world, from_gen = self.ctx.world_size, self.ctx.generation_id
-        cause = "released" if tdist.guard_released() else "collective-failed"
-        log.warning("collective failed; re-forming the group in place", step=self.state.step,
-                    generation=str(from_gen), cause=cause, error=str(exc)[:300])
-        try:
-            record = self._reform(started + self.ctx.recovery_bound_s)
-        except (inplace.ReformError, tdist.CollectiveError, StaleGenerationError) as err:
-            took = time.monotonic() - started
-            self.es.report("reform-failed", reason=str(err)[:500], duration_s=round(took, 4))
-            log.error(f"in-place re-form failed after {took:.2f} s; exiting for a torchrun "
-                      "restart", reason=str(err)[:500])
-            return False
-        took = time.monotonic() - started
-        self.es.report("reformed", from_world_size=from_world, duration_s=round(took, 4),
-                       cause=cause, lost=list(record.lost))
-        log.info(f"re-formed in place in {took:.3f} s: rank {self.ctx.rank} of "
-                 f"{self.ctx.world_size} in generation {record.id} (was {from_world} in "
-                 f"{from_gen}); redoing step {self.state.step + 1}")
-        return True
-
-    def _reform(self, deadline: float) -> GenerationRecord:
-        def left() -> float:
-            return deadline - time.monotonic()
-
-        ctx = self.ctx
-        assert ctx.generation_file is not None and ctx.generation_id is not None
-        record = inplace.GenerationWatch(ctx.generation_file, ctx.generation_id).wait(deadline)
-        rank = record.rank_of(ctx.node_id or "", ctx.local_rank)
-        if rank is None:
-            raise inplace.ReformError(
-                f"generation {record.id} does not name node {ctx.node_id} (local rank "
-                f"{ctx.local_rank}): this worker was fenced out")
-        tdist.install_guard(None)
-        tdist.retain(self.ddp)
-        assert self.es.agreement is not None
-        self.es.agreement.discard()  # the old group's; stop requests are re-sent (sticky)
-        inplace.abandon_group(tdist.RETAINED, self.backend, left())
-        inplace.join_group(record, rank, self.backend, self.device, self.config.timeout, left())
-        inplace.bounded(self._sync_state, left(), "agreeing on the newest state")
-        if self.state.step > self.es.reported_step:
-            # A step whose all-reduce completed here (or on the holder) but whose boundary
-            # collective did not: it was a step of the old world, and its record says so.
-            self.es.report("step")
-        self._adopt(record, rank)
-        self.es.rescale(self.state.scale)
-        self._install_guard()
-        self.ddp = tdist.wrap_ddp(self.state.model, self.device,
-                                  **{**self.config.ddp_kwargs, "init_sync": False})
-        return record
-
-    def _adopt(self, record: GenerationRecord, rank: int) -> None:
-        """This worker's place in the new generation: rank, world, batch plan, writer role."""
-        was_rank0 = self.ctx.is_rank0
-        self.es.ctx = dataclasses.replace(self.ctx, rank=rank, world_size=record.world_size,
-                                          generation_seq=record.id.seq)
-        self.es.progress.ctx = self.ctx
+    def _replan(self) -> None:
+        """The batch plan of the world just adopted (``InPlace.on_world``)."""
         self.plan = plan_batches(self.ctx.world_size, self.config.micro_batch,
                                  self.config.global_batch)
-        self.state.world_size, self.state.global_batch = self.ctx.world_size, self.plan.global_batch
-        if self.es.checkpoints is None or not self.ctx.is_rank0:
-            return
-        if was_rank0:
-            self.es.checkpoints.advance_generation(record.id.seq)
-        else:  # rank 0 was lost: this survivor is the writer now
-            self.es.open_checkpoints()
-
-    def _sync_state(self) -> None:
-        """Every survivor continues from the newest completed step (see trainer.inplace)."""
-        newest, holder, every = inplace.newest_state(self.state.step, self.device)
-        if min(every) == newest:
-            return  # the same step everywhere: DDP made the states identical
-        rank = torch.distributed.get_rank()  # in the new group (the context follows)
-        mine = self.state.to_checkpoint() if rank == holder else None
-        saved = inplace.send_state(mine, holder, self.device)
-        if rank != holder:
-            self.state.scale = self.state.load_checkpoint(saved, newest)
-        log.info("training state handed over", step=newest, holder=holder, steps=every)
+        self.state.global_batch = self.plan.global_batch
 
     # -- training ------------------------------------------------------------------------
 

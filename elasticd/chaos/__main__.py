@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from elasticd.chaos.faults import INJECTORS
+from elasticd.chaos.faults import INJECTORS, default_kinds
 from elasticd.chaos.invariants import check_all
 from elasticd.chaos.report import write
 from elasticd.chaos.run import run_scenario
@@ -29,8 +29,11 @@ def parser() -> argparse.ArgumentParser:
     what.add_argument("--scenario", type=Path, help="a scenario file (.toml or .json)")
     what.add_argument("--seed", type=int, help="draw the scenario from this seed (with --faults)")
     what.add_argument("--list", action="store_true", help="list the fault kinds and exit")
-    p.add_argument("--faults", default=",".join(INJECTORS),
-                   help="comma-separated fault kinds to draw from (default: all)")
+    p.add_argument("--faults", default=",".join(default_kinds()),
+                   help="comma-separated fault kinds to draw from (default: all but "
+                   "checkpoint-dir-full, which needs the checkpoint directory on a small tmpfs, "
+                   "and the network faults, which need root and iptables and run in a "
+                   "scenario of their own: name them here)")
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--spacing", type=int, default=60, help="steps between drawn faults")
     p.add_argument("--final-step", type=int, default=None,

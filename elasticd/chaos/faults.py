@@ -4,8 +4,10 @@ An injector acts on a live local cluster (``Target``: the cluster's nodes, its e
 checkpoint directory) and returns what it did, for the report. ``inject`` is the fault
 itself; ``heal`` brings the victim back (restarts a killed node, continues a stopped one)
 or does nothing where the system must recover on its own (a killed worker, agent or
-checkpoint writer). Every injector only signals processes of the cluster it was given or
-edits files under its root: nothing outside the test's own tree is touched.
+checkpoint writer). Every injector only signals processes of the cluster it was given
+(its nodes, its etcd members), edits files under its root or tells the cluster's own fake
+metadata servers what to announce: nothing outside the test's own tree is touched. The
+etcd-cluster, cloud and machine faults are in ``cluster_faults.py``.
 
 Process roles inside one node's tree (``python -m elasticd run`` at the root):
 
@@ -32,7 +34,8 @@ import psutil
 from checkpointing import layout
 from checkpointing.errors import CorruptCheckpointError
 from checkpointing.manifest import Manifest
-from elasticd.embedded_etcd import EmbeddedEtcd
+from elasticd.embedded_etcd import EmbeddedEtcd, EmbeddedEtcdCluster
+from elasticd.fake_metadata import FakeMetadata
 from elasticd.local_cluster import DaemonNode
 
 Detail = dict[str, Any]
@@ -47,12 +50,14 @@ class Target:
     """What injectors act on: the cluster's nodes by name, its etcd, its checkpoints."""
 
     nodes: dict[str, DaemonNode]
-    etcd: EmbeddedEtcd
+    etcd: EmbeddedEtcd | EmbeddedEtcdCluster
     ckpt_dir: Path
     lease_ttl_s: float = 5.0
     # Checkpoint files this run damaged on purpose: path -> step (the invariants exempt
     # them from "every committed checkpoint verifies" and forbid loading them).
     corrupted: dict[str, int] = field(default_factory=dict)
+    # node -> its fake cloud metadata server (only when a fault needs them)
+    metadata: dict[str, FakeMetadata] = field(default_factory=dict)
 
     def running(self) -> list[DaemonNode]:
         return [n for n in self.nodes.values() if n.running()]
@@ -134,6 +139,14 @@ class Injector:
     # agent's SIGKILL leaves its workers stepping until its successor's rendezvous
     # restarts them (seen), and a daemon's SIGKILL must not leave the old ones behind.
     replaces_workers: ClassVar[bool] = True
+    etcd_members: ClassVar[int] = 1        # the etcd cluster size the fault needs
+    needs_metadata: ClassVar[bool] = False  # each node polls its own fake metadata server
+    # True: it acts on links, so the cluster runs on a network of its own (netlab), where
+    # there is one etcd member and no fake metadata server (127.0.0.1 is the namespace's).
+    network: ClassVar[bool] = False
+    # False: the fault needs a setup the runner cannot make (a small mounted filesystem),
+    # so it is left out of the command line's default draw and of the random sequence.
+    drawn_by_default: ClassVar[bool] = True
 
     def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
         raise NotImplementedError
@@ -255,8 +268,10 @@ class Drain(Injector):
 
 
 class EtcdRestart(Injector):
+    """Every member at once: the single one, or all three of a cluster (a full outage)."""
+
     name = "etcd-restart"
-    summary = "SIGKILL the (single) etcd member, restart it 3 s later with its data"
+    summary = "SIGKILL every etcd member, restart them 3 s later with their data"
     target_rule = "cluster"
     hold_s = 3.0
     replaces_workers = False   # training goes on through an etcd outage
@@ -387,13 +402,27 @@ class CheckpointWriteKill(Injector):
         return {**detail, "in_flight": _writes_in_flight(t.ckpt_dir)}
 
 
+# The faults of the etcd cluster and the cloud live in their own module, which subclasses
+# Injector above (elasticd/chaos/__init__.py imports this module first, so either order works).
+from elasticd.chaos.cluster_faults import (  # noqa: E402
+    CheckpointDirFull,
+    EtcdLeaderKill,
+    EtcdQuorumLoss,
+    FlappingNode,
+    PreemptionNotice,
+)
+
 INJECTORS: dict[str, type[Injector]] = {cls.name: cls for cls in (
     WorkerKill, OomKill, AgentKill, DaemonKill, NodeKill, Rank0NodeKill, NodeStop, Drain,
-    EtcdRestart, CheckpointCorrupt, CheckpointWriteKill)}
-
-
+    EtcdRestart, CheckpointCorrupt, CheckpointWriteKill, EtcdLeaderKill, EtcdQuorumLoss,
+    PreemptionNotice, FlappingNode, CheckpointDirFull)}
 
 # The network faults (net_faults.py: partitions, delay and loss) add their names to the
 # registry when that module is imported; importing it here makes every user of the
 # registry see them.
 import elasticd.chaos.net_faults  # noqa: E402,F401
+
+
+def default_kinds() -> list[str]:
+    """The fault kinds a draw uses unless told otherwise (see ``drawn_by_default``)."""
+    return sorted(name for name, cls in INJECTORS.items() if cls.drawn_by_default)

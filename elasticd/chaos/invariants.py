@@ -16,8 +16,13 @@ so each can also be fed a tampered history to show it fails (tests/chaos/test_bi
 * ``checkpoints-intact`` every committed checkpoint left verifies (sha256), but those the
                         run damaged on purpose, and the newest is the final step;
 * ``no-corrupt-load``   no resume loaded a checkpoint while it was damaged;
-* ``recovery-bounded``  per fault: recovery time and steps lost (0 for a drain, at most
-                        two checkpoint intervals otherwise);
+* ``recovery-bounded``  per fault: recovery time and steps lost (0 for a drain, a
+                        preemption notice, an etcd fault and a full checkpoint disk, at
+                        most two checkpoint intervals otherwise); a preempted node drained
+                        cleanly within its deadline;
+* ``etcd-outage-bounded`` per etcd fault: no daemon's etcd failed it (a failed call, an
+                        outage it logged) later than ETCD_BACK_S after the heal, or, after
+                        a leader kill, LEADER_CHANGE_S after the kill;
 * ``no-stale-commit``   no checkpoint started (so none committed) by a generation after a
                         newer generation of the same rendezvous lifetime had already
                         reached that step: a node cut off must not commit in the world it
@@ -44,6 +49,7 @@ from checkpointing.reader import load_verified
 from checkpointing.storage import LocalStorage
 from elasticd.chaos.faults import committed
 from elasticd.chaos.oracle import lineage, max_rel_diff, norm_rel_diff, replay_run
+from elasticd.local_cluster import record_time
 
 if TYPE_CHECKING:
     from elasticd.chaos.run import FaultRecord, RunResult
@@ -54,6 +60,19 @@ TOLERANCE = 1e-9
 # a wrong batch or LR moves it by far more from that step on.
 LOSS_TOLERANCE = 1e-8
 STALL_S = 1.0   # a gap between two steps longer than this is an interruption (steps: ~0.07 s)
+# Faults that must cost no step: a drain checkpoints at an agreed step, the workers never
+# wait on etcd, and a full checkpoint disk only skips periodic saves.
+ZERO_LOSS = frozenset({"drain", "preemption-notice", "etcd-restart", "etcd-leader-kill",
+                       "etcd-quorum-loss", "checkpoint-dir-full"})
+ETCD_FAULTS = frozenset({"etcd-restart", "etcd-leader-kill", "etcd-quorum-loss"})
+# How a daemon's log shows etcd failing it: its membership view or lease keeper lost etcd
+# ("etcd unreachable; membership frozen ...", "...; lease keep-alive retrying") until the
+# matching "etcd reachable again; ...", or one call of its loop failed.
+ETCD_DOWN = "etcd unreachable"
+ETCD_UP = "etcd reachable again"
+ETCD_FAILED = "etcd call failed"
+ETCD_BACK_S = 15.0      # heal -> no daemon's etcd call fails any more
+LEADER_CHANGE_S = 5.0   # a leader kill: the two left elect in ~1 s; the client fails over
 
 
 @dataclass(frozen=True)
@@ -76,6 +95,7 @@ class FaultMetrics:
     recovery_s: float | None     # fault -> first step after the interruption (0: none)
     back_to_full_s: float | None  # fault -> every node stepping in a world of N again
     steps_lost: int | None       # steps done before a restart that it redid
+    etcd_outage_s: float | None = None  # fault -> the last daemon-side etcd failure (0: none)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -131,9 +151,32 @@ def fault_metrics(result: RunResult) -> list[FaultMetrics]:
     for i, f in enumerate(fired):
         until = fired[i + 1].t_inject if i + 1 < len(fired) else result.t_end
         back = f.t_recovered - f.t_inject if f.t_recovered else None
+        ends = [etcd_trouble_until(events, f.t_inject, until) for events in result.daemon_events.values()]
+        longest = max((end - f.t_inject for end in ends if end is not None), default=0.0)
         out.append(FaultMetrics(f.index, f.kind, _round(recovery_s(records, f.t_inject, until)),
-                                _round(back), steps_lost(records, f.t_inject, until)))
+                                _round(back), steps_lost(records, f.t_inject, until), _round(longest)))
     return out
+
+
+def etcd_trouble_until(events: list[dict], start: float, until: float) -> float | None:
+    """The last moment in [start, until) one daemon's log shows etcd failing it (a failed
+    call, an "unreachable" line, or the "reachable again" that ended one), measured to
+    ``until`` if an "unreachable" there was never followed by its "reachable again" (the
+    membership view and the lease keeper each log a pair); None: no trouble at all."""
+    last, open_ = None, set()
+    for e in events:
+        t, text = record_time(e), str(e.get("event", ""))
+        if t is None or not start <= t < until:
+            continue
+        what = text.partition("; ")[2].split(" ")[0]   # "membership" | "lease" | ...
+        if text.startswith(ETCD_DOWN):
+            open_.add(what)
+        elif text.startswith(ETCD_UP):
+            open_.discard(what)
+        elif not text.startswith(ETCD_FAILED):
+            continue
+        last = t
+    return until if open_ else last
 
 
 def _round(x: float | None) -> float | None:
@@ -291,12 +334,18 @@ def check_corrupt_loads(result: RunResult) -> Check:
 
 def check_recovery(result: RunResult, metrics: list[FaultMetrics]) -> Check:
     bound = 2 * result.scenario.every_steps
+    details = {f.index: f.detail for f in result.faults}
     bad = []
     for m in metrics:
-        limit = 0 if m.kind == "drain" else bound
+        limit = 0 if m.kind in ZERO_LOSS else bound
         if m.back_to_full_s is None or m.steps_lost is None or m.steps_lost > limit:
             bad.append((m, f"#{m.index} {m.kind}: back to full {m.back_to_full_s} s, "
                            f"{m.steps_lost} steps lost (at most {limit})"))
+        detail = details.get(m.index, {})
+        if m.kind == "preemption-notice" and (detail.get("drained_s") is None
+                                              or detail.get("drain_exit_code") != 0):
+            bad.append((m, f"#{m.index} {m.kind}: not drained cleanly within its "
+                           f"{detail.get('deadline_s')} s deadline (exit {detail.get('drain_exit_code')})"))
     rows = ", ".join(f"#{m.index} {m.kind} {m.recovery_s} s/{m.steps_lost} lost" for m in metrics)
     if bad:
         return Check("recovery-bounded", False, "; ".join(b for _, b in bad),
@@ -363,6 +412,36 @@ def _gen(record: dict) -> str:
     return "{round}.{seq}".format(**record["generation"])
 
 
+def check_etcd_outages(result: RunResult) -> Check:
+    """Per etcd fault: no daemon's etcd failed it later than ETCD_BACK_S after the heal,
+    or, after a leader kill, later than LEADER_CHANGE_S after the kill."""
+    fired = [f for f in result.faults if f.t_inject is not None]
+    bad, rows = [], []
+    for i, f in enumerate(fired):
+        if f.kind not in ETCD_FAULTS:
+            continue
+        until = fired[i + 1].t_inject if i + 1 < len(fired) else result.t_end
+        heal = f.t_heal or f.t_inject
+        for node, events in sorted(result.daemon_events.items()):
+            end = etcd_trouble_until(events, f.t_inject, until)
+            if end is None:
+                continue
+            rows.append(f"{_label(f)} {node} {end - f.t_inject:.1f} s")
+            if end >= until:
+                bad.append((f, f"{_label(f)}: {node}'s etcd outage never ended"))
+            elif f.kind == "etcd-leader-kill" and end - f.t_inject > LEADER_CHANGE_S:
+                bad.append((f, f"{_label(f)}: {node}'s etcd failed it {end - f.t_inject:.1f} s after "
+                               f"the leader's kill (a leader change: at most {LEADER_CHANGE_S:g})"))
+            elif end - heal > ETCD_BACK_S:
+                bad.append((f, f"{_label(f)}: {node}'s etcd failed it {end - heal:.1f} s after the "
+                               f"heal (at most {ETCD_BACK_S:g})"))
+    if bad:
+        return Check("etcd-outage-bounded", False, "; ".join(b for _, b in bad), _label(bad[0][0]))
+    kinds = sum(f.kind in ETCD_FAULTS for f in fired)
+    return Check("etcd-outage-bounded", True, f"{kinds} etcd fault(s); fault -> a daemon's last etcd "
+                 f"failure: {', '.join(rows) or 'none logged'}")
+
+
 def check_processes(result: RunResult) -> Check:
     if result.leftover:
         return Check("no-process-left", False, f"alive after the cluster stopped: {result.leftover}")
@@ -375,5 +454,6 @@ def check_all(result: RunResult) -> tuple[list[Check], list[FaultMetrics]]:
     metrics = fault_metrics(result)
     checks = [check_faults(result), check_completed(result), check_contiguous(result, history),
               *check_oracle(result, history), check_checkpoints(result), check_corrupt_loads(result),
-              check_recovery(result, metrics), check_stale_commit(result), check_processes(result)]
+              check_recovery(result, metrics), check_etcd_outages(result),
+              check_stale_commit(result), check_processes(result)]
     return checks, metrics

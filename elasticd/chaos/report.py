@@ -44,22 +44,28 @@ def _cell(x: Any) -> str:
     return "-" if x is None else str(x).replace("|", "/")
 
 
+def _members(sc: dict[str, Any]) -> str:
+    n = sc.get("etcd_members", 1)
+    return f"{n} etcd member{'s' if n != 1 else ''}"
+
+
 def to_markdown(report: dict[str, Any]) -> str:
     sc = report["scenario"]
     verdict = "PASSED" if report["passed"] else "FAILED"
     lines = [f"# Chaos run: {verdict}", "",
-             f"{sc['nodes']} nodes, 1 etcd member, {len(sc['faults'])} faults, job of "
+             f"{sc['nodes']} nodes, {_members(sc)}, {len(sc['faults'])} faults, job of "
              f"{sc['final_step']} steps (checkpoint every {sc['every_steps']}), seed {report['seed']}, "
              f"{report['duration_s']} s; etcd: `{report.get('etcd') or '?'}`.", "",
              f"Replay: `{report['replay']}`", "",
-             "| # | fault | target | at step | recovery s | back to full world s | steps lost | detail |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| # | fault | target | at step | recovery s | back to full world s | steps lost "
+             "| etcd outage s | detail |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for f in report["faults"]:
         m = f["metrics"] or {}
         detail = f["error"] or ", ".join(f"{k}={v}" for k, v in f["detail"].items())
         lines.append(f"| {f['index']} | {f['kind']} | {_cell(f['target'])} | {_cell(f['step'])} | "
                      f"{_cell(m.get('recovery_s'))} | {_cell(m.get('back_to_full_s'))} | "
-                     f"{_cell(m.get('steps_lost'))} | {_cell(detail)} |")
+                     f"{_cell(m.get('steps_lost'))} | {_cell(m.get('etcd_outage_s'))} | {_cell(detail)} |")
     lines += ["", "| invariant | result | detail |", "|---|---|---|"]
     for c in report["invariants"]:
         blame = f" (after fault {c['fault']})" if c["fault"] else ""

@@ -17,9 +17,10 @@ replay oracle can recompute it.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from elasticd.chaos.faults import INJECTORS, Detail, InjectionError, Injector, T
 from elasticd.chaos.oracle import Run
 from elasticd.chaos.scenario import FaultSpec, Scenario
 from elasticd.embedded_etcd import etcd_version
+from elasticd.fake_metadata import FakeMetadata
 from elasticd.local_cluster import MLP, Cluster, DaemonNode, _identity, describe, local_cluster, stepping_at
 
 # The job the oracle replays: small enough that a step costs ~nothing beyond its sleep.
@@ -89,6 +91,8 @@ class RunResult:
     leftover: list[str]                # processes still alive after the cluster stopped
     error: str | None = None
     etcd: str = ""                     # the etcd server's binary and version
+    # node -> the daemon's log lines about its etcd connection (the outage check reads them)
+    daemon_events: dict[str, list[dict]] = field(default_factory=dict)
 
     @property
     def ckpt_dir(self) -> Path:
@@ -229,9 +233,11 @@ def run_scenario(sc: Scenario, root: Path, *, job: str = "chaos", run: Run = RUN
     error = None
     rng = random.Random(sc.seed)
     before = _identities()
-    with local_cluster(root, network=needs_network(sc)) as cluster:
-        nodes = _start_nodes(cluster, sc, job, run)
-        target = Target({n.name: n for n in nodes}, cluster.etcd, root / "ckpt", LEASE_TTL_S)
+    with local_cluster(root, etcd_members=sc.etcd_members, network=needs_network(sc)) as cluster, \
+            metadata_servers(sc) as metadata:
+        nodes = _start_nodes(cluster, sc, job, run, metadata)
+        target = Target({n.name: n for n in nodes}, cluster.etcd, root / "ckpt", LEASE_TTL_S,
+                        metadata=metadata)
         say(f"scenario {sc.name or sc.seed}: {sc.nodes} nodes, {len(sc.faults)} faults, "
             f"final step {sc.final_step}, root {root}")
         if _wait(lambda: stepping_at(nodes, sc.nodes, 0) and _step_now(nodes) >= 5, FORM_TIMEOUT_S):
@@ -243,30 +249,48 @@ def run_scenario(sc: Scenario, root: Path, *, job: str = "chaos", run: Run = RUN
             error = f"no world of {sc.nodes} within {FORM_TIMEOUT_S:.0f} s"
             codes = {n.name: n.proc.poll() if n.proc else None for n in nodes}
         progress = {n.name: progress_records(n) for n in nodes}
+        daemon = {n.name: [e for e in n.daemon_events() if "etcd" in str(e.get("event", ""))]
+                  for n in nodes}
         etcd = f"{cluster.etcd.binary} ({etcd_version(cluster.etcd.binary)})"
     proctree.reap_children()
     left = [*cluster.leftover, *(describe(p) for p in proctree.descendants()
                                  if _identity(p) not in before)]
     return RunResult(sc, root, run, faults, t_start, t_formed, time.time(), codes, progress,
-                     dict(target.corrupted), left, error, etcd)
+                     dict(target.corrupted), left, error, etcd, daemon)
 
 
 def needs_network(sc: Scenario) -> bool:
     """Whether a fault of ``sc`` acts on links: the cluster then runs on its own network
     (every node and the etcd in a namespace, elasticd.netlab) instead of loopback."""
-    return any(getattr(INJECTORS[f.kind], "network", False) for f in sc.faults)
+    return any(INJECTORS[f.kind].network for f in sc.faults)
 
 
 def _identities() -> set[tuple[int, float]]:
     return {i for p in proctree.descendants() if (i := _identity(p))}
 
 
-def _start_nodes(cluster: Cluster, sc: Scenario, job: str, run: Run) -> list[DaemonNode]:
+@contextlib.contextmanager
+def metadata_servers(sc: Scenario) -> Iterator[dict[str, FakeMetadata]]:
+    """One fake GCE metadata server per node (127.0.0.1) if a planned fault needs them
+    (a preemption notice is for one VM), else none; all stopped at the end."""
+    with contextlib.ExitStack() as stack:
+        needed = any(INJECTORS[f.kind].needs_metadata for f in sc.faults)
+        yield {name: stack.enter_context(FakeMetadata()) for name in sc.node_names()} if needed else {}
+
+
+def _preemption_section(server: FakeMetadata | None) -> str:
+    if server is None:
+        return ""
+    return f'[preemption]\ngce = true\nmetadata_url = "{server.url}"\npoll_interval_s = 0.2\n'
+
+
+def _start_nodes(cluster: Cluster, sc: Scenario, job: str, run: Run,
+                 metadata: dict[str, FakeMetadata]) -> list[DaemonNode]:
     # min_nodes N-1: a node away for a fault must not block the others' rendezvous; the
     # runner waits for the first world of N before any fault.
     return [cluster.daemon(name, job, entrypoint=entrypoint(sc, run), every_steps=sc.every_steps,
                            min_nodes=max(1, sc.nodes - 1), max_nodes=sc.nodes,
-                           lease_ttl_s=LEASE_TTL_S)
+                           lease_ttl_s=LEASE_TTL_S, sections=_preemption_section(metadata.get(name)))
             for name in sc.node_names()]
 
 

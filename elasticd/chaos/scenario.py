@@ -4,6 +4,7 @@ Written as a small TOML or JSON file::
 
     seed = 7                 # recorded; also picks "any" targets
     nodes = 3
+    etcd_members = 3         # 1 or 3; default 3 if a fault needs it (etcd-leader-kill ...)
     final_step = 1500        # the job's --max-steps
     [[fault]]
     kind = "node-kill"       # a name of elasticd.chaos.faults.INJECTORS
@@ -57,7 +58,7 @@ class Scenario:
     # Per step: the sleep dominates a step, so that the step rate (and the steps a fault's
     # recovery takes) does not swing with the machine's load.
     step_sleep: float = 0.1
-    etcd_members: int = 1
+    etcd_members: int = 1          # 1, or 3 (EmbeddedEtcdCluster) for leader and quorum faults
     name: str = field(default="")
 
     def node_names(self) -> list[str]:
@@ -67,6 +68,20 @@ class Scenario:
         out = asdict(self)
         out["faults"] = [{k: v for k, v in asdict(f).items() if v is not None} for f in self.faults]
         return out
+
+
+def _members_needed(kind: str) -> int:
+    from elasticd.chaos.faults import INJECTORS
+
+    cls = INJECTORS.get(kind)
+    return cls.etcd_members if cls is not None else 1
+
+
+def _needs(kind: str, what: str) -> bool:
+    from elasticd.chaos.faults import INJECTORS
+
+    cls = INJECTORS.get(kind)
+    return bool(cls is not None and getattr(cls, what))
 
 
 def _kinds() -> Sequence[str]:
@@ -120,7 +135,6 @@ def from_dict(raw: dict[str, Any], kinds: Sequence[str] | None = None, name: str
     nodes = _int(raw, "nodes", 3, 2, MAX_NODES)
     final_step = _int(raw, "final_step", 1500, 10)
     every = _int(raw, "every_steps", 20, 1)
-    members = _int(raw, "etcd_members", 1, 1, 1)  # 3-member clusters: not yet (see README)
     sleep = raw.get("step_sleep", 0.1)
     if not isinstance(sleep, (int, float)) or isinstance(sleep, bool) or not 0 <= sleep <= 5:
         raise ScenarioError(f"step_sleep = {sleep!r}: seconds in 0..5")
@@ -128,6 +142,22 @@ def from_dict(raw: dict[str, Any], kinds: Sequence[str] | None = None, name: str
     if not isinstance(items, list) or not items:
         raise ScenarioError("no faults: give at least one [[fault]] table")
     faults = tuple(_fault(f, i, nodes, kinds) for i, f in enumerate(items))
+    # A leader or quorum fault needs three members: the default then, and nothing less.
+    needed = max(_members_needed(f.kind) for f in faults)
+    members = _int(raw, "etcd_members", needed, 1, 3)
+    if members not in (1, 3):
+        raise ScenarioError(f"etcd_members = {members}: 1 or 3 (an even count tolerates no more "
+                            "failures than the odd one below it)")
+    if members < needed:
+        kind = next(f.kind for f in faults if _members_needed(f.kind) > members)
+        raise ScenarioError(f"etcd_members = {members}: {kind} needs a {needed}-member etcd cluster")
+    network = [f.kind for f in faults if _needs(f.kind, "network")]
+    loopback = [f.kind for f in faults if _needs(f.kind, "needs_metadata")] + (
+        [f"etcd_members = {members}"] if members != 1 else [])
+    if network and loopback:
+        raise ScenarioError(f"{network[0]} runs the cluster on a network of its own, with one etcd "
+                            f"member and no fake metadata server; {loopback[0]} needs loopback: put "
+                            "the network faults in a scenario of their own")
     late = [(i, f) for i, f in enumerate(faults) if f.at_step is not None and f.at_step >= final_step]
     if late:
         i, f = late[0]

@@ -5,6 +5,7 @@ seen to bite: fed a tampered history or a system weakened on purpose, the check 
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime
 
 import pytest
 
@@ -225,3 +226,75 @@ def test_the_loss_check_names_the_first_step_whose_logged_loss_is_not_the_replay
     replayed = {s: 1.0 / (s + 1) for s in range(1, 12)}
     assert inv.first_loss_divergence(history, replayed) == 6
     assert inv.first_loss_divergence({s: r for s, r in history.items() if s != 7}, replayed) is None
+
+
+# -- etcd faults: no lost step, and the daemons' etcd outages bounded ----------------------------
+
+@pytest.mark.parametrize("kind", ["etcd-leader-kill", "etcd-quorum-loss", "etcd-restart",
+                                  "checkpoint-dir-full"])
+def test_an_etcd_fault_or_a_full_disk_may_cost_no_step(tmp_path, kind):
+    """Workers never wait on etcd, and a full checkpoint disk only skips saves: a restart
+    after one (a system that stopped training for it, and resumed from the last checkpoint:
+    seen for the full disk before the trainer's fix, 39 steps) fails the recovery check."""
+    records = _records(resume_at=(45, 40))
+    result = _result(tmp_path, records, [_fault(0, kind, records[44]["time"] + 0.05)])
+    check = inv.check_recovery(result, inv.fault_metrics(result))
+    assert not check.passed and check.fault == f"#0 {kind}" and "5 steps lost (at most 0)" in check.detail
+
+
+def _etcd_log(*lines: tuple[str, float]) -> list[dict]:
+    """A daemon's etcd log lines: (event, time)."""
+    return [{"event": event, "timestamp": datetime.fromtimestamp(t, UTC).isoformat()} for event, t in lines]
+
+
+DOWN = "etcd unreachable; membership frozen, training continues"
+UP = "etcd reachable again; membership view re-listed"
+FAILED = "etcd call failed; a later cycle retries"
+
+
+@pytest.mark.parametrize(("kind", "lines", "passes"), [
+    ("etcd-leader-kill", [(FAILED, 2.0)], True),          # one call failed over the election
+    ("etcd-leader-kill", [(DOWN, 0.5), (UP, 2.0)], True),
+    # Weakened: daemons given only the killed leader's endpoint are cut off until it is
+    # restarted (the heal, 5 s on): the leader change is no longer a short pause.
+    ("etcd-leader-kill", [(DOWN, 0.5), (FAILED, 3.0), (UP, 6.5)], False),
+    ("etcd-quorum-loss", [(DOWN, 0.5), (UP, 12.0)], True),    # back 7 s after the heal (at 5 s)
+    ("etcd-quorum-loss", [(DOWN, 0.5), (UP, 12.0), (FAILED, 25.0)], False),   # failing 20 s after it
+    ("etcd-quorum-loss", [(DOWN, 0.5)], False),               # never back
+    ("etcd-quorum-loss", [(DOWN, 0.5), ("etcd reachable again; lease kept alive", 6.0)], False),
+])
+def test_the_etcd_outage_check_bites_on_a_long_or_endless_outage(tmp_path, kind, lines, passes):
+    records = _records(400)   # 40 s of steps: every line above falls inside the run
+    t = records[10]["time"]
+    fault = FaultRecord(0, kind, "step 10", None, 10, t, t + 5, t + 20, {})
+    result = _result(tmp_path, records, [fault], final=400)
+    result.daemon_events = {"a": _etcd_log(*((e, t + dt) for e, dt in lines)), "b": []}
+    check = inv.check_etcd_outages(result)
+    assert check.passed is passes, check
+    assert passes or check.fault == f"#0 {kind}"
+    never_back = lines[-1][0] != UP and lines[-1][0] != FAILED
+    want = (result.t_end - t) if never_back else lines[-1][1]
+    assert inv.fault_metrics(result)[0].etcd_outage_s == pytest.approx(want, abs=0.01)
+
+
+def test_an_outage_before_the_fault_is_not_its_own(tmp_path):
+    records = _records()
+    t = records[30]["time"]
+    result = _result(tmp_path, records, [_fault(0, "etcd-leader-kill", t)])
+    result.daemon_events = {"a": _etcd_log((DOWN, t - 20), (UP, t - 1), (FAILED, t - 0.5))}
+    assert inv.check_etcd_outages(result).passed
+    assert inv.fault_metrics(result)[0].etcd_outage_s == 0.0
+
+
+@pytest.mark.parametrize(("drained_s", "code", "passes"),
+                         [(12.5, 0, True), (None, None, False), (9.0, 1, False)])
+def test_a_preempted_node_must_drain_cleanly_within_its_deadline(tmp_path, drained_s, code, passes):
+    """Weakened: a daemon that ignores the notice is taken at the deadline (drained_s None),
+    one that stops hard exits 1: the recovery check names the fault."""
+    records = _records()
+    fault = _fault(0, "preemption-notice", records[20]["time"], deadline_s=30.0, drained_s=drained_s,
+                   drain_exit_code=code)
+    result = _result(tmp_path, records, [fault])
+    check = inv.check_recovery(result, inv.fault_metrics(result))
+    assert check.passed is passes, check
+    assert passes or (check.fault == "#0 preemption-notice" and "deadline" in check.detail)

@@ -78,9 +78,21 @@ def test_the_job_is_the_float64_mlp_with_every_step_logged_to_the_final_step():
     assert "--lr-base-world-size=3" in cmd
 
 
+def test_the_default_draw_leaves_out_what_needs_a_mounted_filesystem_or_its_own_network():
+    from elasticd.chaos.faults import default_kinds
+
+    network = {name for name, cls in INJECTORS.items() if cls.network}
+    assert network >= {"partition-etcd", "partition-peers", "netem"}
+    assert set(INJECTORS) - set(default_kinds()) == {"checkpoint-dir-full", *network}
+
+
 def test_every_injector_is_drawable_and_named_once():
-    sc = draw(0, INJECTORS)
-    assert sorted(f.kind for f in sc.faults) == sorted(INJECTORS)
+    from tests.chaos.test_chaos import sequence_kinds
+
+    for network in (False, True):
+        sc = draw(0, sequence_kinds(network))
+        assert sorted(f.kind for f in sc.faults) == sequence_kinds(network)
+    assert sorted([*sequence_kinds(False), *sequence_kinds(True), "checkpoint-dir-full"]) == sorted(INJECTORS)
     assert all(cls.name == name and cls.summary for name, cls in INJECTORS.items())
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from elasticd.chaos.faults import INJECTORS
+from elasticd.chaos.faults import default_kinds
 from elasticd.chaos.scenario import FaultSpec, ScenarioError, draw, from_dict, load
 
 TOML = """
@@ -33,7 +33,7 @@ def test_a_toml_file_is_read(tmp_path):
 
 
 def test_a_json_file_round_trips(tmp_path):
-    sc = draw(3, INJECTORS)
+    sc = draw(3, default_kinds())
     path = tmp_path / "s.json"
     path.write_text(json.dumps(sc.to_dict()))
     assert load(path) == sc
@@ -59,7 +59,9 @@ def test_a_bad_fault_is_refused_with_its_number_and_the_fix(fault, message):
 @pytest.mark.parametrize(("raw", "message"), [
     ({"fault": []}, "no faults"),
     ({"nodes": 1, "fault": [{"kind": "drain", "at_step": 1}]}, "nodes = 1"),
-    ({"etcd_members": 3, "fault": [{"kind": "drain", "at_step": 1}]}, "etcd_members = 3"),
+    ({"etcd_members": 2, "fault": [{"kind": "drain", "at_step": 1}]}, "etcd_members = 2: 1 or 3"),
+    ({"etcd_members": 1, "fault": [{"kind": "etcd-quorum-loss", "at_step": 1}]},
+     "etcd-quorum-loss needs a 3-member"),
     ({"step_sleep": "slow", "fault": [{"kind": "drain", "at_step": 1}]}, "step_sleep"),
     ({"colour": 1, "fault": [{"kind": "drain", "at_step": 1}]}, "unknown key(s) ['colour']"),
 ])
@@ -89,3 +91,20 @@ def test_a_draw_is_a_function_of_the_seed_and_the_set_of_kinds():
 def test_a_draw_refuses_unknown_kinds():
     with pytest.raises(ScenarioError, match="unknown fault kind"):
         draw(1, ["node-kill", "meteor"])
+
+
+def test_a_leader_or_quorum_fault_gets_three_etcd_members_by_default():
+    assert from_dict({"fault": [{"kind": "drain", "at_step": 1}]}).etcd_members == 1
+    sc = from_dict({"fault": [{"kind": "drain", "at_step": 1}, {"kind": "etcd-leader-kill", "at_step": 2}]})
+    assert sc.etcd_members == 3
+    assert draw(1, default_kinds()).etcd_members == 3
+
+
+def test_network_faults_do_not_mix_with_what_needs_loopback():
+    net = {"kind": "partition-etcd", "at_step": 10}
+    for other, named in (({"kind": "etcd-leader-kill", "at_step": 20}, "etcd_members = 3"),
+                         ({"kind": "preemption-notice", "at_step": 20}, "preemption-notice")):
+        with pytest.raises(ScenarioError, match=f"partition-etcd runs the cluster on a network "
+                                                f"of its own.*{named} needs loopback"):
+            from_dict({"faults": [net, other], "final_step": 100})
+    assert from_dict({"faults": [net], "final_step": 100}).etcd_members == 1

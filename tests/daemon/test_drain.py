@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.daemon.fake_metadata import FakeMetadata
+from elasticd.fake_metadata import FakeMetadata
 from tests.daemon_nodes import (
     DaemonNode,
     agent_events,

@@ -1,4 +1,5 @@
-"""A hand-written DDP loop under three real daemons: converted (ddp_elastic.py) and plain.
+"""A hand-written DDP loop under three real daemons: converted (ddp_elastic.py, and
+ddp_inplace.py on ``ElasticState.run``) and plain.
 
 The converted loop survives a node SIGKILL, a rank-0 node SIGKILL and a drain, each run to
 completion and checked: the final checkpoint equals a single-process float64 replay of the
@@ -6,7 +7,9 @@ logged world sizes, stream positions and LRs (1e-9); the positions tile the stre
 sample once per epoch); every step's LR is the warm-up + cosine formula times the world
 factor (1e-12), continued at the right step after each resume. The plain script
 (ddp_plain.py), which knows nothing of elasticd, runs to completion through a node SIGKILL:
-the daemons restart it and it resumes from its own end-of-epoch snapshot.
+the daemons restart it and it resumes from its own end-of-epoch snapshot. The loop on
+``ElasticState.run`` (ddp_inplace.py) survives the same crashes in place: no restart, 0
+steps lost, the same checks.
 
 The daemons run their default recovery mode (in place): a loop that cannot re-form in place
 publishes no generation, so its faults take the restart path.
@@ -36,6 +39,7 @@ pytestmark = pytest.mark.dropin
 REPO = Path(__file__).resolve().parents[2]
 CONVERTED = str(REPO / "trainer" / "examples" / "ddp_elastic.py")
 PLAIN = str(REPO / "trainer" / "examples" / "ddp_plain.py")
+IN_PLACE = str(REPO / "trainer" / "examples" / "ddp_inplace.py")
 JOB = ["--samples=240", "--batch-size=4", "--dtype=float64", "--lr=0.005", "--seed=9",
        "--warmup-steps=10", "--cosine-steps=200", "--epochs=5"]
 ARGS = regression.arguments("test", JOB)
@@ -85,6 +89,23 @@ def test_the_converted_loop_survives_a_node_crash(job, tmp_path, victim_rank0):
     resumed = [r for r in progress_records(rank0) if r["event"] == "resumed" and r["time"] > since]
     assert resumed, "the survivors never resumed"
     history = _checked(rank0, tmp_path / "ckpt")
+    assert {rec["world_size"] for rec in history.values()} == {3, 2}
+
+
+@pytest.mark.parametrize("victim_rank0", [False, True], ids=["node", "rank0-node"])
+def test_the_loop_on_state_run_re_forms_in_place_with_zero_steps_lost(job, tmp_path,
+                                                                       victim_rank0):
+    add, nodes = job
+    three = world_of_three(lambda name: add(name, IN_PLACE), at_step=25)
+    _, survivors, since = lose_one(three, nodes, rank0=victim_rank0, within_s=30)
+    completed(survivors)
+    for node in survivors:
+        later = [r for r in progress_records(node) if r["time"] > since]
+        reformed = [r for r in later if r["event"] == "reformed"]
+        assert [r["world_size"] for r in reformed] == [2], node.name
+        print(f"{node.name}: re-formed in place in {reformed[0]['duration_s']:.3f} s")
+        assert not [r for r in later if r["event"] in ("resumed", "reform-failed")], node.name
+    history = _checked(by_rank(survivors, True), tmp_path / "ckpt")
     assert {rec["world_size"] for rec in history.values()} == {3, 2}
 
 

@@ -7,24 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from elasticd.embedded_etcd import read_env_file  # noqa: F401 - the deploy tests' import
+
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 CONFIGS = sorted((DEPLOY / "config").glob("*.toml"))
 # Where the example configs expect the CA and client certificate on a node.
 NODE_TLS_DIR = "/etc/elasticd/tls/"
-
-
-def read_env_file(path: Path) -> dict[str, str]:
-    """The active KEY=value lines of an EnvironmentFile (systemd: no quotes, no expansion)."""
-    env = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        key, sep, value = line.partition("=")
-        assert sep and key.strip() == key, f"{path.name}: not KEY=value: {line!r}"
-        env[key] = value
-    return env
 
 
 def make_certs(out: Path, *names: str) -> Path:

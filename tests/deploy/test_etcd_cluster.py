@@ -25,7 +25,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 
 from elasticd import proctree
-from elasticd.embedded_etcd import find_etcd_binary, free_port
+from elasticd.embedded_etcd import EmbeddedEtcdCluster, find_etcd_binary, free_port
 from elasticd.errors import EtcdAuthError
 from elasticd.etcd_client import EtcdClient, EtcdSettings
 from elasticd.journal import Journal
@@ -35,7 +35,7 @@ from elasticd.rendezvous.backend import EtcdV3RendezvousBackend
 from elasticd.rendezvous.handler import parse_params
 from elasticd.rendezvous.keys import JobKeys
 from elasticd.rendezvous.store import EtcdV3Store
-from tests.deploy.conftest import DEPLOY, read_env_file
+from tests.deploy.conftest import DEPLOY
 
 ROOT_PASSWORD = "root-secret"
 PASSWORD = "elasticd-secret"
@@ -44,32 +44,13 @@ JOB = "job-a"
 USER = f"elasticd-{JOB}"
 
 
-class Member:
-    def __init__(self, name: str, env: dict[str, str], data_dir: Path, log: Path) -> None:
-        self.name, self.env, self.data_dir, self.log = name, env, data_dir, log
-        self.endpoint = env["ETCD_ADVERTISE_CLIENT_URLS"].removeprefix("https://")
-        self.proc: subprocess.Popen | None = None
+class Cluster(EmbeddedEtcdCluster):
+    """The package's 3-member cluster, configured by cluster.sh's env files, with the
+    deploy tests' tools: etcdctl, setup-auth.sh, a client as the job's user."""
 
-    def start(self) -> None:
-        # Only the generated file configures etcd: no flags, and no stray ETCD_* from outside.
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **self.env,
-               "ETCD_DATA_DIR": str(self.data_dir)}
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(proctree.with_parent_death_signal([find_etcd_binary()]),
-                                         env=env, stdout=log, stderr=subprocess.STDOUT)
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-
-class Cluster:
-    def __init__(self, out: Path, members: list[Member]) -> None:
-        self.out, self.members = out, members
-        self.tls = out / "tls"
-        self.endpoints = tuple(m.endpoint for m in members)
+    @property
+    def tls(self) -> Path:
+        return self.tls_dir
 
     def etcdctl(self, *args: str, endpoints: tuple[str, ...] | None = None,
                 check: bool = True) -> subprocess.CompletedProcess:
@@ -79,17 +60,6 @@ class Cluster:
              f"--key={self.tls}/client-key.pem", "--dial-timeout=2s", *args],
             capture_output=True, text=True, timeout=30, check=check,
             env={"ETCDCTL_API": "3", "PATH": os.environ.get("PATH", "")})
-
-    def healthy(self, member: Member) -> bool:
-        if member.proc is None or member.proc.poll() is not None:
-            return False
-        done = self.etcdctl("endpoint", "health", endpoints=(member.endpoint,), check=False)
-        return done.returncode == 0
-
-    def wait_healthy(self, members: list[Member], timeout_s: float = 20) -> None:
-        if not proctree.wait_for(lambda: all(self.healthy(m) for m in members), timeout_s, 0.2):
-            logs = "\n".join(f"--- {m.name}\n{m.log.read_text(errors='replace')[-1500:]}" for m in members)
-            raise AssertionError(f"etcd members not healthy in {timeout_s} s\n{logs}")
 
     def setup_auth(self, elasticd_password: str = PASSWORD, root_password: str = ROOT_PASSWORD,
                    job: str = JOB) -> subprocess.CompletedProcess:
@@ -120,17 +90,11 @@ def cluster(tmp_path_factory):
                    capture_output=True, timeout=60,
                    env={**os.environ, "ETCD_TLS_DIR": str(out / "tls"),
                         "ETCD_CLUSTER_TOKEN": "elasticd-test"})
-    members = [Member(n, read_env_file(out / f"{n}.env"), out / f"data-{n}", out / f"{n}.log")
-               for n in MEMBERS]
-    c = Cluster(out, members)
+    c = Cluster.from_env_files(out, MEMBERS, out / "tls")
     try:
-        for m in members:
-            m.start()
-        c.wait_healthy(members)
-        yield c
+        yield c.start(timeout_s=20)
     finally:
-        for m in members:
-            m.kill()
+        c.kill()
 
 
 def test_cluster_sh_writes_tls_for_clients_and_peers(cluster):
@@ -349,13 +313,12 @@ def test_failover_when_a_member_dies(cluster):
     first = next(m for m in cluster.members if m.endpoint == in_use)
     try:
         client.put(FAILOVER_KEY, b"before")
-        first.kill()
+        cluster.kill(first)
         client.put(FAILOVER_KEY, b"after")
         assert client.get(FAILOVER_KEY).value == b"after"
         # The restarted member rejoins from its data dir (the env file's initial-cluster
         # settings are ignored then) and has the write it missed.
-        first.start()
-        cluster.wait_healthy([first])
+        cluster.start([first])
         alone = cluster.client(endpoints=(first.endpoint,))
         try:
             assert proctree.wait_for(
@@ -365,4 +328,4 @@ def test_failover_when_a_member_dies(cluster):
             alone.close()
     finally:
         client.close()
-        first.kill()   # started by this test: the leak check wants it gone before teardown
+        cluster.kill(first)   # started by this test: the leak check wants it gone before teardown

@@ -193,6 +193,22 @@ def test_state_round_trip_resumes_at_another_world_size():
     assert world_order(resumed) == oracle(5, 11, True, 11)[6:10]  # floor(5 / 2) = 2 per rank
 
 
+def test_reshard_continues_at_the_position_in_the_new_world():
+    """What an in-place re-form does: the survivors' samplers, mid-iteration, laid out
+    for the smaller world, yield the stream from the same position on."""
+    ranks = samplers_for(11, 3, seed=5)
+    for sampler in ranks:
+        list(sampler)
+        sampler.advance(2)
+    survivors = ranks[1:]
+    for rank, sampler in enumerate(survivors):
+        sampler.reshard(2, rank)
+    assert [s.position for s in survivors] == [6, 6]
+    assert world_order(survivors) == oracle(5, 11, True, 12)[6:12]  # 5 left: 3 per rank, a spill
+    with pytest.raises(ConfigError, match=r"reshard\(2, 2\) is invalid"):
+        survivors[0].reshard(2, 2)
+
+
 @pytest.mark.parametrize(("other", "named"), [
     ({"dataset_len": 12}, "dataset_len (saved 12, now 11)"),
     ({"seed": 6}, "seed (saved 6, now 5)"),

@@ -19,7 +19,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from elasticd.chaos.faults import committed
 from elasticd.embedded_etcd import free_port
+from tests.checkpointing.helpers import FaultyStorage
 from tests.trainer.launch import EXAMPLES
 from trainer import dist as tdist
 from trainer.context import ElasticContext
@@ -161,12 +163,17 @@ def _job(ctx: ElasticContext) -> tuple[ElasticState, DataLoader, ElasticDistribu
 
 def _train(state: ElasticState, loader: DataLoader, sampler, epochs: int) -> list[float]:
     """The converted example's loop; returns the LRs applied. Stops when step_done says so."""
+    return _train_with(state, state.state.model, loader, sampler, epochs)
+
+
+def _train_with(state: ElasticState, model: torch.nn.Module, loader: DataLoader, sampler,
+                epochs: int) -> list[float]:
     applied = []
     for epoch in range(state.epoch, epochs):
         sampler.set_epoch(epoch)
         for x, y in loader:
             state.state.optimizer.zero_grad()
-            loss = torch.nn.functional.mse_loss(state.state.model(x), y)
+            loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
             state.state.optimizer.step()
             applied.append(state.lr.applied[0])
@@ -238,6 +245,23 @@ def test_the_agreement_posts_on_its_cadence_and_sees_a_stop_within_it(world_of_o
     assert agreement.result() is None  # nothing posted since (the next is after 17)
 
 
+def test_run_without_the_in_place_mode_is_the_plain_loop_and_wants_the_bare_module(world_of_one):
+    state, loader, sampler = _job(world_of_one)
+    calls = []
+
+    def train(model: torch.nn.Module) -> None:
+        calls.append(model)
+        _train_with(state, model, loader, sampler, epochs=2)
+
+    assert state.run(train) == 0 and len(calls) == 1 and state.step == 10
+    assert isinstance(calls[0], torch.nn.parallel.DistributedDataParallel)
+    assert calls[0].module is state.state.model
+    wrapped = ElasticState(torch.nn.parallel.DistributedDataParallel(regression.make_model(ARGS)),
+                           state.state.optimizer, loader=loader, ctx=world_of_one, start=False)
+    with pytest.raises(ConfigError, match="pass the module"):
+        wrapped.run(train)
+
+
 def test_a_failure_commits_the_last_step_only_while_the_weights_are_those_of_it(world_of_one):
     state, loader, sampler = _job(world_of_one)
     _train(state, loader, sampler, epochs=1)
@@ -250,6 +274,22 @@ def test_a_failure_commits_the_last_step_only_while_the_weights_are_those_of_it(
     assert state.fail(tdist.CollectiveError("peer gone")) == 1
     state.close()
     assert state.checkpoints.latest_step() == 4  # the periodic save, not a lie about step 5
+
+
+def test_a_full_checkpoint_disk_skips_periodic_saves_and_training_goes_on(world_of_one):
+    """Regression (the chaos suite's checkpoint-dir-full): a periodic save's ENOSPC was
+    raised into the training loop at the next save and killed the worker."""
+    state, loader, sampler = _job(world_of_one)   # a checkpoint every 4 steps
+    full = FaultyStorage(state.checkpoints.directory)
+    full.space_left = 0
+    state.checkpoints.storage = full
+    _train(state, loader, sampler, epochs=3)       # 15 steps: saves at 4 (fails), 8, 12
+    assert state.step == 15 and state.checkpoints.latest_step() is None   # nothing committed
+    full.space_left = None                         # space is back
+    _train(state, loader, sampler, epochs=4)       # steps 16 and 20 commit
+    state.checkpoints.wait()
+    assert state.step == 20 and sorted(s for s, _ in committed(full.root)) == [16, 20]
+    state.close()
 
 
 def test_bad_loaders_are_refused_with_the_fix(world_of_one):

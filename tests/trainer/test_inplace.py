@@ -27,8 +27,17 @@ from checkpointing import CheckpointManager
 from elasticd import proctree
 from elasticd.embedded_etcd import free_port
 from elasticd.generation import GenerationId, GenerationRecord, renumber, shrink, write_file
-from tests.oracle import Run, max_rel_diff, replay, step_history
+from tests.oracle import (
+    Run,
+    consumed_exactly_once,
+    lineage,
+    max_rel_diff,
+    replay,
+    replay_dropin,
+    step_history,
+)
 from tests.trainer.launch import EXAMPLES, json_lines
+from trainer.examples import regression
 
 RUN = Run(samples=240, batch=4, lr=0.05, seed=5, data_seed=99, momentum=0.9)
 EPOCH = "test-epoch"
@@ -57,7 +66,8 @@ class World:
     """N single-worker 'nodes' of one job and the stand-in daemon's store."""
 
     def __init__(self, tmp: Path, n: int, *extra: str, bound_s: float = 5.0,
-                 gpu: bool = False) -> None:
+                 gpu: bool = False, script: str = "mlp.py",
+                 job: tuple[str, ...] = tuple(RUN.args())) -> None:
         self.tmp = tmp
         self.ckpt = tmp / "ckpt"
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -65,6 +75,7 @@ class World:
                                                                          for r in range(n)))
         port = free_port()
         self.gpu = gpu
+        self.script, self.job = script, job
         self.workers = [self._start(r, n, port, bound_s, extra) for r in range(n)]
 
     def _start(self, rank: int, n: int, port: int, bound_s: float, extra: tuple) -> Worker:
@@ -80,7 +91,7 @@ class World:
                    ELASTICD_RECOVERY_BOUND_S=str(bound_s),
                    ELASTICD_GENERATION_FILE=str(self.tmp / f"{node}.generation.json"))
         log = self.tmp / f"{node}.log"
-        cmd = [sys.executable, str(EXAMPLES / "mlp.py"), "--log-every=1", *RUN.args(),
+        cmd = [sys.executable, str(EXAMPLES / self.script), "--log-every=1", *self.job,
                f"--checkpoint-dir={self.ckpt}", "--checkpoint-every-steps=10",
                "--lr-rule=linear", "--lr-warmup-steps=2", *extra]
         with open(log, "wb") as out:
@@ -129,8 +140,8 @@ class World:
 def world_of(tmp_path):
     made: list[World] = []
 
-    def make(n: int, *extra: str, bound_s: float = 5.0) -> World:
-        made.append(World(tmp_path, n, *extra, bound_s=bound_s))
+    def make(n: int, *extra: str, bound_s: float = 5.0, **kw) -> World:
+        made.append(World(tmp_path, n, *extra, bound_s=bound_s, **kw))
         return made[-1]
 
     yield make
@@ -246,3 +257,61 @@ def test_the_holder_of_the_newest_state_hands_it_to_the_survivor_a_step_behind(t
     got = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in (0, 1)]
     assert got[0] == got[1]           # identical model, optimizer, sampler and LR state
     assert (got[0]["step"], got[0]["cursor"], got[0]["lrs_used"]) == (1, 8, [0.05])
+
+
+DROPIN = ("--samples=96", "--batch-size=4", "--dtype=float64", "--lr=0.01", "--seed=5",
+          "--warmup-steps=6", "--cosine-steps=60", "--epochs=3", "--lr-base-world-size=3")
+
+
+def _dropin_matches_the_replay(world: World, survivor: str):
+    """The drop-in's oracle, exactly-once and completeness checks; (args, history)."""
+    args = regression.arguments("test", list(DROPIN))
+    history = lineage(world.worker(survivor).progress())
+    assert sorted(history) == list(range(1, max(history) + 1)), "a step is missing or repeated"
+    assert {r["world_size"] for r in history.values()} == {3, 2}
+    consumed_exactly_once(history, args.samples, args.epochs)
+    final = CheckpointManager(world.ckpt, read_only=True).load_latest()
+    assert final.step == max(history)
+    rel = max_rel_diff(final.state["model"], replay_dropin(args, history))
+    assert rel < 1e-9, f"final parameters differ from the replay by {rel:.3e}"
+    return args, history
+
+
+def test_a_hand_written_loop_on_state_run_reforms_in_place_and_matches_the_replay(world_of):
+    """trainer/examples/ddp_inplace.py (DataLoader, Adam, warm-up + cosine scheduler): rank
+    0 is lost; the survivors re-form in place, with no restart, and finish the epochs."""
+    world = world_of(3, "--step-sleep=0.02", script="ddp_inplace.py", job=DROPIN)
+    world.wait_step(6)
+    proctree.kill_tree(world.worker("n0").proc.pid)
+    world.lose("n0")
+    assert world.wait("n1") == 0 and world.wait("n2") == 0
+    records = world.worker("n1").progress()
+    assert not [r for r in records if r["event"] in ("resumed", "reform-failed")]
+    for node, rank in (("n1", 0), ("n2", 1)):
+        (event,) = _reformed(world.worker(node))
+        assert (event["rank"], event["world_size"], event["from_world_size"]) == (rank, 2, 3)
+    args, history = _dropin_matches_the_replay(world, "n1")
+    # The scheduler went on across the re-form, rescaled to the world (linear rule, base
+    # world 3) beneath it; the first update in the new world is --lr-warmup-steps' ramp.
+    ramp = min(s for s, r in history.items() if r["world_size"] == 2)
+    for step, rec in history.items():
+        unscaled = args.lr * regression.warmup_cosine_factor(
+            step - 1, args.warmup_steps, args.cosine_steps, args.warmup_start)
+        if step != ramp:
+            assert rec["lr"] == pytest.approx(unscaled * rec["world_size"] / 3, rel=1e-12), step
+
+
+@pytest.mark.dropin  # the mlp loop's frozen-peer case runs by default; this one in make dropin
+def test_a_hand_written_loop_blocked_on_a_frozen_peer_is_released_by_the_record(world_of):
+    """The silent peer for ElasticState.run: the guard's comm hook releases the loop's own
+    loss.backward(), the loop re-forms and finishes without the frozen node."""
+    world = world_of(3, "--step-sleep=0.02", script="ddp_inplace.py", job=DROPIN)
+    world.wait_step(6)
+    os.killpg(world.worker("n1").proc.pid, signal.SIGSTOP)
+    time.sleep(1.0)  # the others are blocked on it now
+    world.lose("n1")
+    assert world.wait("n0") == 0 and world.wait("n2") == 0
+    for node in ("n0", "n2"):
+        (event,) = _reformed(world.worker(node))
+        assert (event["cause"], event["world_size"]) == ("released", 2)
+    _dropin_matches_the_replay(world, "n0")

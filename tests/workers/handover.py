@@ -39,7 +39,7 @@ def main(out: str) -> int:
         st.sampler.advance(len(idx))
         st.step += 1
         st.lrs_used = [0.05]
-    trainer._sync_state()
+    trainer.recovery._sync_state()
     digest = hashlib.sha256()
     for t in [*model.state_dict().values(), *[v for s in opt.state.values() for v in s.values()
                                              if isinstance(v, torch.Tensor)]]:

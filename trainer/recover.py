@@ -1,0 +1,171 @@
+"""In-place recovery for any loop on ``ElasticState``: one implementation for both APIs.
+
+``InPlace`` guards every collective (so the daemons' next generation releases a worker
+blocked on a lost or frozen peer) and, after a failed collective, re-forms the group
+in that generation: abandon the old group, join the new one through the record's
+store, agree on the newest state (its holder sends it), adopt the new rank and world
+(LR rescale, checkpoint writer, the loop's own batch layout through ``on_world``) and
+wrap the model in a new DDP. Every step is bounded by ``ctx.recovery_bound_s``; past it,
+or on any failure, the caller falls back to the process restart. The pieces (guard,
+watch, group join, state hand-over) are ``trainer.inplace``'s.
+
+``ElasticTrainer`` (trainer.loop) and a hand-written loop run through
+``ElasticState.run`` both recover here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import structlog
+import torch
+
+from checkpointing.errors import StaleGenerationError
+from elasticd.generation import GenerationRecord
+from trainer import dist as tdist
+from trainer import inplace
+
+if TYPE_CHECKING:
+    from trainer.elastic import ElasticState
+
+log = structlog.get_logger(__name__)
+
+
+class InPlace:
+    """The re-form of ``es``'s group in place; ``on_world()`` is called once the new
+    rank and world size are in ``es.ctx`` (a loop's batch layout follows them there)."""
+
+    def __init__(self, es: ElasticState, backend: str, timeout: timedelta,
+                 ddp_kwargs: dict[str, Any] | None = None,
+                 on_world: Callable[[], None] | None = None) -> None:
+        self.es = es
+        self.backend = backend
+        self.timeout = timeout
+        self.ddp_kwargs = dict(ddp_kwargs or {})
+        self.on_world = on_world or (lambda: None)
+
+    @property
+    def enabled(self) -> bool:
+        return self.es.ctx.in_place
+
+    def wrap(self, model: torch.nn.Module, reformed: bool = False) -> torch.nn.Module:
+        """``model`` in DDP over the current group (its collectives through the guard).
+
+        After a re-form the states are identical already: no initial broadcast."""
+        kwargs = {**self.ddp_kwargs, "init_sync": False} if reformed else self.ddp_kwargs
+        return tdist.wrap_ddp(model, self.es.device, **kwargs)
+
+    def install_guard(self) -> None:
+        """In in-place mode, every collective waits through a guard that the daemon's next
+        generation releases (the silent-peer case: nothing else would release it)."""
+        ctx = self.es.ctx
+        if not ctx.in_place:
+            return
+        assert ctx.generation_file is not None and ctx.generation_id is not None
+        watch = inplace.GenerationWatch(ctx.generation_file, ctx.generation_id)
+
+        def released() -> str | None:
+            record = watch.newer()
+            return None if record is None else (
+                f"the daemons formed generation {record.id} without {', '.join(record.lost)}")
+
+        tdist.install_guard(inplace.CollectiveGuard(released, self.backend,
+                                                    self.timeout.total_seconds()))
+
+    def recover(self, exc: BaseException, ddp: torch.nn.Module) -> torch.nn.Module | None:
+        """Re-form the group in the next generation: the new DDP module, or None (after
+        reporting why) when this worker must exit for a torchrun restart instead."""
+        es = self.es
+        if not self.enabled:
+            return None
+        started = time.monotonic()
+        from_world, from_gen = es.ctx.world_size, es.ctx.generation_id
+        cause = "released" if tdist.guard_released() else "collective-failed"
+        log.warning("collective failed; re-forming the group in place", step=es.state.step,
+                    generation=str(from_gen), cause=cause, error=str(exc)[:300])
+        try:
+            if not es.consistent():
+                # The loop stepped the optimizer but not step_done (a collective of its
+                # own between them failed): no step number describes these weights.
+                raise inplace.ReformError("the weights were stepped after the last "
+                                          "step_done; only a restart from a checkpoint is exact")
+            record, ddp = self._reform(ddp, started + es.ctx.recovery_bound_s)
+        except (inplace.ReformError, tdist.CollectiveError, StaleGenerationError) as err:
+            took = time.monotonic() - started
+            es.report("reform-failed", reason=str(err)[:500], duration_s=round(took, 4))
+            log.error(f"in-place re-form failed after {took:.2f} s; exiting for a torchrun "
+                      "restart", reason=str(err)[:500])
+            return None
+        took = time.monotonic() - started
+        es.report("reformed", from_world_size=from_world, duration_s=round(took, 4),
+                  cause=cause, lost=list(record.lost))
+        log.info(f"re-formed in place in {took:.3f} s: rank {es.ctx.rank} of "
+                 f"{es.ctx.world_size} in generation {record.id} (was {from_world} in "
+                 f"{from_gen}); redoing step {es.state.step + 1}")
+        return ddp
+
+    def _reform(self, ddp: torch.nn.Module, deadline: float
+                ) -> tuple[GenerationRecord, torch.nn.Module]:
+        def left() -> float:
+            return deadline - time.monotonic()
+
+        es, ctx = self.es, self.es.ctx
+        assert ctx.generation_file is not None and ctx.generation_id is not None
+        record = inplace.GenerationWatch(ctx.generation_file, ctx.generation_id).wait(deadline)
+        rank = record.rank_of(ctx.node_id or "", ctx.local_rank)
+        if rank is None:
+            raise inplace.ReformError(
+                f"generation {record.id} does not name node {ctx.node_id} (local rank "
+                f"{ctx.local_rank}): this worker was fenced out")
+        tdist.install_guard(None)
+        tdist.retain(ddp)
+        assert es.agreement is not None
+        es.agreement.discard()  # the old group's; stop requests are re-sent (sticky)
+        inplace.abandon_group(tdist.RETAINED, self.backend, left())
+        inplace.join_group(record, rank, self.backend, es.device, self.timeout, left())
+        inplace.bounded(self._sync_state, left(), "agreeing on the newest state")
+        if es.state.step > es.reported_step:
+            # A step whose all-reduce completed here (or on the holder) but whose boundary
+            # collective did not: it was a step of the old world, and its record says so.
+            es.report("step")
+        self._adopt(record, rank)
+        es.rescale(es.state.scale)
+        self.install_guard()
+        return record, self.wrap(es.state.model, reformed=True)
+
+    def _adopt(self, record: GenerationRecord, rank: int) -> None:
+        """This worker's place in the new generation: rank, world, writer role, and the
+        loop's layout (``on_world``)."""
+        es = self.es
+        was_rank0 = es.ctx.is_rank0
+        es.ctx = dataclasses.replace(es.ctx, rank=rank, world_size=record.world_size,
+                                     generation_seq=record.id.seq)
+        es.progress.ctx = es.ctx
+        es.state.world_size = es.ctx.world_size
+        self.on_world()
+        if es.checkpoints is None or not es.ctx.is_rank0:
+            return
+        if was_rank0:
+            es.checkpoints.advance_generation(record.id.seq)
+        else:  # rank 0 was lost: this survivor is the writer now
+            es.open_checkpoints()
+
+    def _sync_state(self) -> None:
+        """Every survivor continues from the newest completed step (see trainer.inplace)."""
+        st, device = self.es.state, self.es.device
+        newest, holder, every = inplace.newest_state(st.step, device)
+        if min(every) == newest:
+            return  # the same step everywhere: DDP made the states identical
+        rank = torch.distributed.get_rank()  # in the new group (the context follows)
+        mine = st.to_checkpoint() if rank == holder else None
+        saved = inplace.send_state(mine, holder, device)
+        if rank != holder:
+            st.scale = st.load_checkpoint(saved, newest)
+        log.info("training state handed over", step=newest, holder=holder, steps=every)
+
+
+__all__ = ["InPlace"]
