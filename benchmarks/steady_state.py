@@ -11,7 +11,7 @@ rank, float32), 2 ranks under ``torchrun --standalone --nproc-per-node=2`` (gloo
     dropin       that loop + ElasticDistributedSampler + ElasticState.step_done(loss)
     trainer      ElasticTrainer, as mlp.py builds it
     trainer-noreseed  the same without the per-step reseed (TrainConfig.reseed_each_step=False),
-                 a diagnostic: what torch.manual_seed costs in place
+                 a diagnostic: what the per-step reseed costs in place
 
 at two step sizes: ``tiny`` (the MLP step alone, --tiny-steps timed steps) and ``50ms``
 (the same step plus a 50 ms sleep inside it standing in for GPU compute, --sleep-steps),
@@ -178,8 +178,8 @@ def derived(pieces: dict[str, Any]) -> dict[str, float]:
                  ("agreement_post", "agreement_cadenced"),
              "progress file every step - rate-limited (saved per step)":
                  ("progress_every_step", "progress_rate_limited"),
-             "torch.manual_seed alone (step_seed + manual_seed - step_seed)":
-                 ("step_seed_manual_seed", "step_seed")}
+             "the generator's seeding alone (step_seed + reseed - step_seed)":
+                 ("step_seed_reseed", "step_seed")}
     out = {label: pieces[a]["us"] - pieces[b]["us"] for label, (a, b) in pairs.items()
            if a in pieces and b in pieces}
     line = piece_us(pieces, "progress_log_line")
@@ -194,7 +194,7 @@ ACCOUNTS = {
                ("WorldLR hooks", "optimizer_step_worldlr", "optimizer_step"),
                ("ElasticDistributedSampler", "elastic_sampler_batch", "dist_sampler_batch")],
     "trainer": [("end_step (= step_done)", "step_done", None),
-                ("step_seed + torch.manual_seed", "step_seed_manual_seed", None),
+                ("step_seed + reseed", "step_seed_reseed", None),
                 ("WorldLR hooks", "optimizer_step_worldlr", "optimizer_step"),
                 ("ElasticSampler indices + shard", "trainer_indices", "bare_indices")],
 }

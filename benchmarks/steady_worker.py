@@ -52,7 +52,7 @@ from trainer.loop import ElasticTrainer, TrainConfig
 from trainer.lr import start_scale
 from trainer.progress import ProgressReporter
 from trainer.sampler import ElasticSampler
-from trainer.state import step_seed
+from trainer.state import reseed, step_seed
 from trainer.worldlr import WorldLR
 
 MODES = ("bare", "bare-loader", "dropin", "trainer", "trainer-noreseed", "pieces")
@@ -227,8 +227,9 @@ class Pieces:
                                     "(file_interval_s=0), no log line", self.progress(0.0)),
             "progress_log_line": ("report('step') with a structlog line every step, no file",
                                   self.log_line),
-            "step_seed": ("trainer.state.step_seed (numpy SeedSequence)", self.seed(False)),
-            "step_seed_manual_seed": ("step_seed + torch.manual_seed", self.seed(True)),
+            "step_seed": ("trainer.state.step_seed (BLAKE2b)", self.seed(False)),
+            "step_seed_reseed": ("step_seed + trainer.state.reseed (ElasticTrainer's per-step "
+                                 "reseed)", self.seed(True)),
             "optimizer_step": ("optimizer.step() alone (SGD momentum, the MLP)",
                                self.optimizer_step(False)),
             "optimizer_step_worldlr": ("optimizer.step() with the WorldLR pre/post hooks",
@@ -273,11 +274,11 @@ class Pieces:
     def ctx_with_file(self) -> ElasticContext:
         return self.ctx.with_overrides(progress_file=self.progress_file)
 
-    def seed(self, manual: bool) -> Callable[[int], float]:
+    def seed(self, generator: bool) -> Callable[[int], float]:
         def call(i: int) -> None:
             seed = step_seed(SEED, i, self.rank)
-            if manual:
-                torch.manual_seed(seed)
+            if generator:
+                reseed(seed, torch.device("cpu"))
         return lambda n: timed_calls(call, n)
 
     def optimizer_step(self, hooked: bool) -> Callable[[int], float]:
@@ -365,7 +366,7 @@ COLLECTIVE_PIECES = ("step_boundary", "agreement_post", "agreement_cadenced",
 PIECES = (
     "step_boundary", "agreement_post", "agreement_cadenced", "agreement_post_back_to_back",
     "progress_rate_limited",
-    "progress_every_step", "progress_log_line", "step_seed", "step_seed_manual_seed",
+    "progress_every_step", "progress_log_line", "step_seed", "step_seed_reseed",
     "optimizer_step", "optimizer_step_worldlr", "dist_sampler_batch", "elastic_sampler_batch",
     "bare_indices", "trainer_indices", "step_done")
 
