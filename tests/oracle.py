@@ -16,12 +16,12 @@ import numpy as np
 import torch
 
 # The MLP replay lives with the chaos harness (which must not import tests/); one definition.
-from elasticd.chaos.oracle import Run, lineage, max_rel_diff, replay, step_history
+from elasticd.chaos.oracle import Run, lineage, max_rel_diff, norm_rel_diff, replay, step_history
 from trainer.distributed_sampler import stream_indices
 from trainer.examples import regression
 
-__all__ = ["Run", "consumed_exactly_once", "lineage", "max_rel_diff", "rank_shares", "replay",
-           "replay_dropin", "step_history"]
+__all__ = ["Run", "consumed_exactly_once", "lineage", "max_rel_diff", "norm_rel_diff", "rank_shares",
+           "replay", "replay_dropin", "step_history"]
 
 
 def rank_shares(seed: int, length: int, start: int, end: int, world: int) -> list[np.ndarray]:

@@ -16,7 +16,7 @@ import torch
 
 from checkpointing import CheckpointManager
 from tests.daemon_nodes import DaemonNode, stepping_at, wait_for
-from tests.oracle import max_rel_diff
+from tests.oracle import max_rel_diff, norm_rel_diff
 
 
 def by_rank(nodes: list[DaemonNode], rank0: bool) -> DaemonNode:
@@ -78,12 +78,19 @@ def resumed_where_it_stopped(node: DaemonNode, since: float) -> dict:
 def final_matches_replay(ckpt: Path, history: Mapping[int, Any],
                          replayed: Callable[[], dict[str, torch.Tensor]]) -> int:
     """Every step 1..final is in ``history``, the newest checkpoint is of ``final`` and
-    its model equals ``replayed()`` (the single-process replay) within 1e-9; ``final``."""
+    its model equals ``replayed()`` (the single-process replay) within 1e-9 against each
+    tensor (``norm_rel_diff``, the chaos oracle's measure); ``final``.
+
+    Not against each element: over 500 steps one weight of a rejoin run crossed zero
+    (4.8e-7 at the end) and its 2.4e-15 of rounding read as 5.1e-9 of it, while the
+    tensors agreed to 3.5e-14. The worst element's figure is printed beside it."""
     final = max(history)
     assert sorted(history) == list(range(1, final + 1)), "a step is missing"
     latest = CheckpointManager(ckpt, read_only=True).load_latest()
     assert latest is not None and latest.step == final
-    rel = max_rel_diff(latest.state["model"], replayed())
-    print(f"oracle: max relative difference {rel:.3e} over {final} steps")
+    want = replayed()
+    rel = norm_rel_diff(latest.state["model"], want)
+    worst = max_rel_diff(latest.state["model"], want)
+    print(f"oracle: relative difference {rel:.3e} (worst element {worst:.3e}) over {final} steps")
     assert rel < 1e-9
     return final
