@@ -306,8 +306,8 @@ class ElasticState:
                 if reformed is None:
                     raise
                 model = reformed
-                continue
-            return self.finish()
+            else:
+                return self.finish()
 
     def _reshard(self) -> None:
         """The sampler's layout and the global batch of the world just adopted."""
