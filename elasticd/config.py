@@ -125,10 +125,17 @@ class RendezvousConfig:
     keep_alive_interval: int = 1
     keep_alive_max_attempt: int = 5
     close_timeout: int = 30
+    # "torch": torch's dynamic rendezvous on one shared state; "keyed": per-agent keys whose
+    # etcd writes grow linearly with the nodes (rendezvous/keyed.py; docs/scale.md).
+    rounds: str = "torch"
 
     def __post_init__(self) -> None:
+        _require(self.rounds in ("torch", "keyed"), "rendezvous.rounds", self.rounds,
+                 'use "torch" (the default) or "keyed" (for large jobs)')
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name == "rounds":
+                continue
             _require(isinstance(value, int) and value >= 1, f"rendezvous.{f.name}", value,
                      "torch takes whole seconds >= 1")
         product = self.keep_alive_interval * self.keep_alive_max_attempt

@@ -375,6 +375,26 @@ class EtcdClient:
                for kv in response.kvs]
         return kvs, int(response.header.revision)
 
+    def count_prefix(self, prefix: str) -> int:
+        """How many keys are under ``prefix`` (etcd counts; no values travel)."""
+        return int(self._call(lambda c: c.get_prefix_response(prefix, count_only=True)).count)
+
+    def first_created(self, prefix: str) -> KeyValue | None:
+        """The key under ``prefix`` with the lowest create revision (the oldest), if any."""
+        response = self._call(lambda c: c.get_prefix_response(
+            prefix, limit=1, sort_order="ascend", sort_target="create"))
+        return next((KeyValue(kv.key.decode(), kv.value, kv.mod_revision, kv.create_revision,
+                              kv.lease) for kv in response.kvs), None)
+
+    def create_all(self, creates: dict[str, tuple[bytes, int | None]], first: str,
+                   deletes: tuple[str, ...] = ()) -> bool:
+        """Put every key of ``creates`` (value, lease) and delete ``deletes``, in one
+        transaction, only if ``first`` does not exist yet; True if this call wrote."""
+        ok, _ = self._txn([_tx().create(first) == 0],
+                          [_tx_put(k, v, lease) for k, (v, lease) in creates.items()]
+                          + [_tx().delete(k) for k in deletes], [])
+        return bool(ok)
+
     def get_many(self, keys: list[str]) -> tuple[dict[str, KeyValue], int]:
         """The given keys (absent ones omitted) read atomically, and the revision read at."""
         def op(c: Any) -> tuple[dict[str, KeyValue], int]:

@@ -27,6 +27,7 @@ from elasticd.etcd_client import EtcdClient, KeyValue
 from elasticd.generation import GenerationId, GenerationRecord, GenerationRecordError, WorldView
 from elasticd.rendezvous import state_ops
 from elasticd.rendezvous.keys import JobKeys
+from elasticd.rendezvous.rounds import CorruptRoundError, decode_pointer
 from elasticd.supervisor import Reform
 
 log = structlog.get_logger(__name__)
@@ -160,16 +161,17 @@ class JobReader:
         self._read_at = now
         try:
             found, _ = self._client.get_many([self._keys.state, self._drain_key,
-                                              self._keys.rdzv_state, self._keys.generation])
+                                              self._keys.rdzv_state, self._keys.generation,
+                                              self._keys.rdzv_round, self._keys.rdzv_closed])
             self.round_trips.append(self._clock() - now)
         except EtcdError:
             self.view = dataclasses.replace(self.view, ok=False)
             return self.view
-        rdzv = self._round(found.get(self._keys.rdzv_state))
+        round_, closed = self._round(found)
         self.view = JobView(
             job_state=self._field(found.get(self._keys.state), "state"),
             drain_reason=self._drain(found.get(self._drain_key)),
-            rdzv_closed=bool(rdzv and rdzv.closed), round=rdzv.round if rdzv else None,
+            rdzv_closed=closed, round=round_,
             generation=self._generation_record(found.get(self._keys.generation)))
         return self.view
 
@@ -212,14 +214,25 @@ class JobReader:
         reason = reason if isinstance(reason, str) else ""
         return f"`elasticd drain` asked for it{': ' + reason[:200] if reason else ''}"
 
-    def _round(self, kv: KeyValue | None) -> state_ops.RoundView | None:
+    def _round(self, found: dict[str, KeyValue]) -> tuple[int | None, bool]:
+        """(round, closed) of either layout: keyed rounds' small pointer and ``closed``
+        key when the pointer exists, else torch's state."""
+        pointer = found.get(self._keys.rdzv_round)
+        if pointer is not None:
+            try:
+                return decode_pointer(pointer.value, pointer.key)[0], self._keys.rdzv_closed in found
+            except CorruptRoundError as exc:
+                self._warn(pointer, str(exc))
+                return None, self._keys.rdzv_closed in found
+        kv = found.get(self._keys.rdzv_state)
         if kv is None:
-            return None
+            return None, False
         try:
-            return state_ops.view(kv.value)
+            view = state_ops.view(kv.value)
         except Exception as exc:  # untrusted bytes: any failure means "unreadable"
             self._warn(kv, f"not a rendezvous state torch can read ({type(exc).__name__}: {exc})")
-            return None
+            return None, False
+        return view.round, view.closed
 
     def _warn(self, kv: KeyValue, problem: str) -> None:
         if (kv.key, kv.mod_revision) in self._warned:

@@ -1,5 +1,11 @@
 """Fenced edits of the live rendezvous state by the daemon (not by torch).
 
+Both layouts are served: torch's one pickled state (``rounds=torch``) and keyed rounds
+(``rounds=keyed``, ``keyed.py``); a job uses the keyed one when its ``rdzv/round``
+pointer exists. On keyed rounds an eviction is the revocation of the dead agent's
+liveness lease (its liveness and join keys go with it, in one step), a reopen deletes
+the ``closed`` key, and the round is the pointer's.
+
 Every edit is read-modify-write with a compare on the key's mod_revision, so it never
 overwrites an agent's concurrent update: on a lost race it re-reads and re-applies the
 (idempotent) pure operation. Each call has a wall-clock budget: the daemon's loop calls
@@ -11,6 +17,7 @@ the budget is checked between calls.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 
@@ -19,6 +26,7 @@ import structlog
 from elasticd.etcd_client import EtcdClient, KeyValue, deadline, no_retry
 from elasticd.rendezvous import state_ops
 from elasticd.rendezvous.keys import JobKeys
+from elasticd.rendezvous.rounds import Agent, World, decode_pointer
 from elasticd.rendezvous.state_ops import Removal, RoundView
 
 log = structlog.get_logger(__name__)
@@ -56,6 +64,9 @@ def evict_agents(client: EtcdClient, keys: JobKeys, agents: set[tuple[str, int]]
     ``deadline_s`` bounds the whole call (wall clock). Raises ``EtcdError`` if etcd is
     unavailable, ``CorruptStateError`` (an ``EtcdError``) if the state is not torch's.
     """
+    keyed = _evict_keyed(client, keys, agents, deadline_s)
+    if keyed is not None:
+        return keyed
     result: list[Removal] = []
 
     def edit(value: bytes) -> bytes | None:
@@ -77,6 +88,10 @@ def reopen_if_closed(client: EtcdClient, keys: JobKeys, deadline_s: float = 2.0)
     when any agent gives up, which would make every agent fail from then on.
     ``deadline_s`` bounds the whole call; ``EtcdError`` as for ``evict_agents``.
     """
+    with no_retry(), deadline(deadline_s):
+        if client.delete(keys.rdzv_closed):
+            log.warning("reopened the rendezvous an agent had closed", key=keys.rdzv_closed)
+            return True
     changed, gave_up = _fenced_edit(client, keys, deadline_s,
                                     lambda value: state_ops.reopen(value, keys.rdzv_state))
     if changed:
@@ -112,8 +127,8 @@ def release_exit_barrier(client: EtcdClient, keys: JobKeys, round_: int,
     call; an outage raises ``EtcdError`` at once.
     """
     with no_retry(), deadline(deadline_s):
-        kv = client.get(keys.rdzv_state)
-        if kv is None or state_ops.view(kv.value, keys.rdzv_state).round != round_:
+        kv = client.get(keys.rdzv_round) or client.get(keys.rdzv_state)
+        if kv is None or _round_of(kv, keys) != round_:
             return False
         won, _ = client.put_or_create(exit_barrier_key(keys, round_), _BARRIER_VALUE, None,
                                       lease=kv.lease_id or None)
@@ -123,5 +138,52 @@ def release_exit_barrier(client: EtcdClient, keys: JobKeys, round_: int,
 
 
 def current_round(client: EtcdClient, keys: JobKeys) -> RoundView | None:
-    kv = client.get(keys.rdzv_state)
-    return None if kv is None else state_ops.view(kv.value, keys.rdzv_state)
+    found, _ = client.get_many([keys.rdzv_round, keys.rdzv_closed, keys.rdzv_state])
+    pointer = found.get(keys.rdzv_round)
+    if pointer is None:
+        kv = found.get(keys.rdzv_state)
+        return None if kv is None else state_ops.view(kv.value, keys.rdzv_state)
+    round_, _ = decode_pointer(pointer.value, pointer.key)
+    world = _keyed_world(client, keys, round_)
+    members = world.members if world is not None else ()
+    return RoundView(round_, world is not None, keys.rdzv_closed in found,
+                     tuple((m.addr, m.pid) for m in members),
+                     client.count_prefix(keys.rdzv_joins(round_ + 1)))
+
+
+def _round_of(kv: KeyValue, keys: JobKeys) -> int:
+    if kv.key == keys.rdzv_round:
+        return decode_pointer(kv.value, kv.key)[0]
+    return state_ops.view(kv.value, keys.rdzv_state).round
+
+
+def _keyed_world(client: EtcdClient, keys: JobKeys, round_: int) -> World | None:
+    kv = client.get(keys.rdzv_world(round_))
+    return None if kv is None else World.decode(kv.value, kv.key)
+
+
+def _evict_keyed(client: EtcdClient, keys: JobKeys, agents: set[tuple[str, int]],
+                 deadline_s: float) -> Removal | None:
+    """Keyed rounds: revoke each agent's liveness lease; None if the job is not keyed."""
+    with no_retry(), deadline(deadline_s):
+        pointer = client.get(keys.rdzv_round)
+        alive, _ = client.list_prefix(keys.rdzv_alive)
+        if pointer is None and not alive:
+            return None
+        found = [(kv, Agent.from_json(json.loads(kv.value))) for kv in alive
+                 if _agent_of(kv) in agents]
+        for kv, _agent in found:
+            client.revoke_lease(kv.lease_id)
+        removed = tuple(agent.name for _, agent in found)
+        world = None if pointer is None else _keyed_world(
+            client, keys, decode_pointer(pointer.value, pointer.key)[0])
+    in_round = world is not None and any(world.rank_of(a) is not None for _, a in found)
+    return Removal(None, removed, in_round)
+
+
+def _agent_of(kv: KeyValue) -> tuple[str, int] | None:
+    try:
+        agent = Agent.from_json(json.loads(kv.value))
+    except (ValueError, TypeError):
+        return None     # not ours to judge here: the agents' reads log it
+    return agent.addr, agent.pid

@@ -2,6 +2,9 @@
 
 ``--rdzv-conf`` keys (all optional)::
 
+    rounds=torch|keyed          torch: torch's dynamic rendezvous on one shared state (the
+                                default); keyed: per-agent keys, writes linear in the nodes
+                                (keyed.py, for large jobs)
     key_prefix=/elasticd        root of the job's keys (<key_prefix>/<run_id>/rdzv/...)
     ttl=7200                    seconds the run's keys outlive the last live agent
     read_timeout=5              seconds per etcd request
@@ -41,6 +44,7 @@ import structlog
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousError,
+    RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
 )
@@ -50,7 +54,9 @@ from elasticd.errors import ConfigError, EtcdError
 from elasticd.etcd_client import EtcdClient, EtcdSettings, no_retry
 from elasticd.lease import LeaseKeeper
 from elasticd.rendezvous.backend import EtcdV3RendezvousBackend
+from elasticd.rendezvous.keyed import KeyedRendezvousHandler
 from elasticd.rendezvous.keys import DEFAULT_ROOT, JobKeys
+from elasticd.rendezvous.rounds import Rules
 from elasticd.rendezvous.store import EtcdV3Store
 from elasticd.rendezvous.torch_compat import check_torch_apis
 
@@ -59,7 +65,7 @@ log = structlog.get_logger(__name__)
 _SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _TIMEOUT_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout")
 _KEEP_ALIVE_KEYS = ("keep_alive_interval", "keep_alive_max_attempt")
-_OWN_KEYS = ("key_prefix", "ttl", "read_timeout", "retry_timeout", "protocol", "ca_cert",
+_OWN_KEYS = ("rounds", "key_prefix", "ttl", "read_timeout", "retry_timeout", "protocol", "ca_cert",
              "ssl_cert", "ssl_cert_key", "user", "password")
 # Keys torchrun itself puts into the config; not ours to judge.
 _TORCHRUN_KEYS = ("timeout", "rank", "is_host", "local_addr")
@@ -75,11 +81,15 @@ _STDIN_MAX_BYTES = 64 * 1024
 _stdin_credentials: tuple[str, str] | None = None
 
 
+ROUNDS = ("torch", "keyed")
+
+
 @dataclass(frozen=True)
 class PluginConfig:
     etcd: EtcdSettings
     keys: JobKeys
     ttl_s: int
+    rounds: str = "torch"
 
 
 def parse_params(params: RendezvousParameters) -> PluginConfig:
@@ -107,7 +117,11 @@ def parse_params(params: RendezvousParameters) -> PluginConfig:
         retry_s=_positive_int(params, "retry_timeout", 30),
     )
     keys = JobKeys(params.run_id, params.get("key_prefix") or DEFAULT_ROOT)
-    return PluginConfig(settings, keys, _positive_int(params, "ttl", 7200))
+    rounds = (params.get("rounds") or "torch").strip().lower()
+    if rounds not in ROUNDS:
+        raise ConfigError(f"rdzv-conf rounds={rounds!r}: use torch (one shared state, the "
+                          "default) or keyed (per-agent keys, for large jobs)")
+    return PluginConfig(settings, keys, _positive_int(params, "ttl", 7200), rounds)
 
 
 def take_credentials() -> tuple[str | None, str | None]:
@@ -237,33 +251,8 @@ class EtcdV3RendezvousHandler(dyn.DynamicRendezvousHandler):
             return self._next_rendezvous()
 
     def _next_rendezvous(self) -> RendezvousInfo:
-        """torch's rendezvous, then export this world's generation to the next workers.
-
-        ``ELASTICD_GENERATION`` is the round just completed (torch keeps ``round`` at the
-        completed round's number and moves it up when the last participant leaves, so a
-        newer world always has a larger one within one rendezvous state).
-        ``ELASTICD_GENERATION_EPOCH`` names that state's lifetime: the round restarts at 0
-        when the state is created anew (lease expired, fresh etcd), so it is an id kept in
-        the run's store (same lease as the state). torchrun builds each worker's
-        environment from a copy of ``os.environ`` when it starts the workers, right after
-        this returns. The checkpoint writer fences commits by them (checkpointing/fence.py).
-        """
         info = super().next_rendezvous()
-        round_ = self._state_holder.state.round
-        try:
-            raw = self._store.compare_set(GENERATION_EPOCH_KEY, "", uuid.uuid4().hex)
-            epoch: str | None = raw.decode() if isinstance(raw, bytes) else str(raw)
-        except (RendezvousError, EtcdError, UnicodeDecodeError) as exc:
-            # Still fenced by the round alone; a world of another epoch replaces the fence.
-            log.warning("no generation epoch; exporting the round alone", reason=str(exc))
-            epoch = None
-        os.environ[GENERATION_ENV] = str(round_)
-        if epoch:
-            os.environ[GENERATION_EPOCH_ENV] = epoch
-        else:
-            os.environ.pop(GENERATION_EPOCH_ENV, None)
-        log.info("rendezvous generation", generation=round_, epoch=epoch,
-                 rank=info.rank, world_size=info.world_size)
+        export_generation(self._state_holder.state.round, info, self._store)
         return info
 
     def _backend_waits(self, timeout_s: float) -> None:
@@ -340,6 +329,35 @@ def _woken_by(handler: EtcdV3RendezvousHandler) -> Iterator[None]:
 
 dyn._delay = _change_woken_delay
 
+def export_generation(round_: int, info: RendezvousInfo, store: Any) -> None:
+    """Export this world's generation to the next workers (both handlers call it).
+
+    ``ELASTICD_GENERATION`` is the round just completed (torch keeps ``round`` at the
+    completed round's number and moves it up when the last participant leaves; keyed
+    rounds number their worlds in order: a newer world always has a larger one within
+    one rendezvous). ``ELASTICD_GENERATION_EPOCH`` names the rendezvous's lifetime: the
+    round restarts at 0 when its keys are created anew (lease expired, fresh etcd), so it
+    is an id kept in the run's store (``store``: the handler's unprefixed store, on the
+    run's lease). torchrun builds each worker's environment from a copy of ``os.environ``
+    when it starts the workers, right after the rendezvous returns. The checkpoint writer
+    fences commits by them (checkpointing/fence.py).
+    """
+    try:
+        raw = store.compare_set(GENERATION_EPOCH_KEY, "", uuid.uuid4().hex)
+        epoch: str | None = raw.decode() if isinstance(raw, bytes) else str(raw)
+    except (RendezvousError, EtcdError, UnicodeDecodeError, RuntimeError) as exc:
+        # Still fenced by the round alone; a world of another epoch replaces the fence.
+        log.warning("no generation epoch; exporting the round alone", reason=str(exc))
+        epoch = None
+    os.environ[GENERATION_ENV] = str(round_)
+    if epoch:
+        os.environ[GENERATION_EPOCH_ENV] = epoch
+    else:
+        os.environ.pop(GENERATION_EPOCH_ENV, None)
+    log.info("rendezvous generation", generation=round_, epoch=epoch,
+             rank=info.rank, world_size=info.world_size)
+
+
 # The worker-contract variables of WorkerSettings.generation / .generation_epoch.
 GENERATION_ENV = "ELASTICD_GENERATION"
 GENERATION_EPOCH_ENV = "ELASTICD_GENERATION_EPOCH"
@@ -347,8 +365,9 @@ GENERATION_EPOCH_ENV = "ELASTICD_GENERATION_EPOCH"
 GENERATION_EPOCH_KEY = "elasticd.generation_epoch"
 
 
-def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:
-    """The ``torchrun.handlers`` factory: a dynamic rendezvous handler on etcd v3."""
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """The ``torchrun.handlers`` factory: torch's dynamic rendezvous on etcd v3, or keyed
+    rounds with ``rounds=keyed``."""
     check_torch_apis()
     config = parse_params(params)
     _use_fresh_bootstrap_store()
@@ -356,12 +375,20 @@ def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:
     client = EtcdClient(config.etcd)
     lease = LeaseKeeper(client, config.ttl_s, interval_s=min(config.ttl_s / 3, 10),
                         name="rdzv-run").start()
-    backend = EtcdV3RendezvousBackend(client, config.keys.rdzv_state, lease)
     store = EtcdV3Store(client, config.keys.store, lease)
     log.info("etcd3 rendezvous backend ready", endpoints=list(config.etcd.endpoints),
-             prefix=config.keys.prefix, run_id=params.run_id)
+             prefix=config.keys.prefix, run_id=params.run_id, rounds=config.rounds)
     timeout = dyn.RendezvousTimeout(*(dyn._get_timeout(params, k.removesuffix("_timeout"))
                                       for k in _TIMEOUT_KEYS))
+    if config.rounds == "keyed":
+        return KeyedRendezvousHandler(
+            params.run_id, client, config.keys, store, lease,
+            Rules(params.min_nodes, params.max_nodes, timeout.last_call.total_seconds()),
+            params.local_addr, join_timeout_s=timeout.join.total_seconds(),
+            keep_alive_interval_s=_positive_int(params, "keep_alive_interval", 5),
+            keep_alive_max_attempt=_positive_int(params, "keep_alive_max_attempt", 3),
+            on_world=lambda round_, info: export_generation(round_, info, store))
+    backend = EtcdV3RendezvousBackend(client, config.keys.rdzv_state, lease)
     return EtcdV3RendezvousHandler.from_backend(
         params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr,
         timeout,

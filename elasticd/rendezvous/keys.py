@@ -3,6 +3,11 @@
 ``/elasticd/<job>/nodes/<node-id>``     node records (daemon), on the node's lease
 ``/elasticd/<job>/rdzv/state``          torch dynamic-rendezvous state (this plugin)
 ``/elasticd/<job>/rdzv/store/<key>``    the agents' c10d store (this plugin)
+``/elasticd/<job>/rdzv/round``          keyed rounds: the newest closed round (small pointer)
+``/elasticd/<job>/rdzv/world/<round>``  keyed rounds: one closed round's members
+``/elasticd/<job>/rdzv/join/<round>/<agent>``  keyed rounds: an agent's join, on its lease
+``/elasticd/<job>/rdzv/alive/<agent>``  keyed rounds: an agent's liveness, on its lease
+``/elasticd/<job>/rdzv/closed``         keyed rounds: the job's rendezvous is closed
 ``/elasticd/<job>/checkpoint/latest``   newest committed checkpoint (hint)
 ``/elasticd/<job>/events/<ts>-<node>``  lifecycle journal
 ``/elasticd/<job>/drain/<node-id>``     a drain request from ``elasticd drain``
@@ -57,6 +62,30 @@ class JobKeys:
     @property
     def rdzv_state(self) -> str:
         return f"{self.prefix}rdzv/state"
+
+    @property
+    def rdzv_round(self) -> str:
+        """Keyed rounds (``rendezvous.keyed``): the newest closed round, a small pointer."""
+        return f"{self.prefix}rdzv/round"
+
+    @property
+    def rdzv_worlds(self) -> str:
+        return f"{self.prefix}rdzv/world/"
+
+    def rdzv_world(self, round_: int) -> str:
+        # Fixed width: the key of one round is never a prefix of another's.
+        return f"{self.rdzv_worlds}{round_:012d}"
+
+    def rdzv_joins(self, round_: int) -> str:
+        return f"{self.prefix}rdzv/join/{round_:012d}/"
+
+    @property
+    def rdzv_alive(self) -> str:
+        return f"{self.prefix}rdzv/alive/"
+
+    @property
+    def rdzv_closed(self) -> str:
+        return f"{self.prefix}rdzv/closed"
 
     @property
     def store(self) -> str:

@@ -1,0 +1,296 @@
+"""The keyed-rounds rendezvous handler (``--rdzv-conf rounds=keyed``): reads, decides, writes.
+
+The rules are ``rounds.py``'s pure functions; this module is the executor around them,
+every step bounded by the join deadline. Per round each agent writes one join key (on
+its liveness lease) and deletes its previous one; the round's leader (its oldest joiner)
+lists the joins, decides, and writes the world in one transaction; the others watch
+that one key. At steady state an agent writes nothing: its heartbeat is the keep-alive
+of its liveness lease, and ``num_nodes_waiting`` is one count-only read a second.
+The daemon's eviction of a dead agent is the revocation of that lease (``admin.py``),
+which removes its liveness and its join at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import structlog
+from torch.distributed import PrefixStore, Store
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+
+from elasticd.errors import EtcdError
+from elasticd.etcd_client import EtcdClient, KeyValue, no_retry
+from elasticd.lease import LeaseKeeper
+from elasticd.rendezvous import BACKEND_NAME
+from elasticd.rendezvous.keys import JobKeys
+from elasticd.rendezvous.rounds import (
+    Agent,
+    Joined,
+    Rules,
+    Snapshot,
+    World,
+    decide,
+    decode_pointer,
+    encode_pointer,
+    nodes_waiting,
+)
+
+T = TypeVar("T")
+
+log = structlog.get_logger(__name__)
+# torch's own logger of rendezvous events: "has joined round" lines keep their usual home.
+_torch_log = logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous")
+
+# A follower re-checks that its round's leader still has its join this often.
+FOLLOWER_POLL_S = 1.0
+# The leader re-reads the previous members' liveness this often while they block it.
+LEADER_POLL_S = 0.25
+# After a join wakes the leader, it waits this long for more before listing again.
+LEADER_BATCH_S = 0.02
+WAITING_CACHE_S = 1.0
+_LOCAL_IDS = itertools.count()   # torch's _NodeDescGenerator: unique per process
+
+
+class KeyedRendezvousHandler(RendezvousHandler):
+    """torch's ``RendezvousHandler`` on keyed rounds in etcd."""
+
+    def __init__(self, run_id: str, client: EtcdClient, keys: JobKeys, store: Store,
+                 run_lease: LeaseKeeper, rules: Rules, local_addr: str | None, *,
+                 join_timeout_s: float, keep_alive_interval_s: int, keep_alive_max_attempt: int,
+                 on_world: Callable[[int, RendezvousInfo], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._run_id = run_id
+        self._client = client
+        self._keys = keys
+        self._store = store
+        self._run_lease = run_lease
+        self._rules = rules
+        self.agent = Agent(local_addr or socket.getfqdn(), os.getpid(), next(_LOCAL_IDS))
+        self._join_timeout_s = join_timeout_s
+        self._alive = LeaseKeeper(client, keep_alive_interval_s * keep_alive_max_attempt,
+                                  interval_s=keep_alive_interval_s, on_renewed=self._reattach,
+                                  name="rdzv-alive")
+        self._alive_started = False
+        self._joined: int | None = None       # the round this agent's join key is in
+        self.world: World | None = None       # the last world this agent was admitted to
+        self._on_world = on_world
+        self._clock = clock
+        self._waiting = (float("-inf"), 0)
+
+    # -- torch's interface -------------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    def is_closed(self) -> bool:
+        return self._etcd(lambda: self._client.get(self._keys.rdzv_closed)) is not None
+
+    def set_closed(self) -> None:
+        self._etcd(lambda: self._client.put(self._keys.rdzv_closed, b"{}", self._run_lease.id))
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        end = self._clock() + self._join_timeout_s
+        self._ensure_alive()
+        round_ = self._next_round()
+        while True:
+            self._join(round_)
+            world = self._await_world(round_, end)
+            rank = world.rank_of(self.agent)
+            if rank is not None:
+                break
+            log.info("round closed without this agent; joining the next", round=world.round,
+                     world_size=len(world.members))
+            round_ = world.round + 1
+        self.world = world
+        self._waiting = (float("-inf"), 0)
+        store = PrefixStore(f"torch.rendezvous.{self._run_id}.{world.round}", self._store)
+        info = RendezvousInfo(store, rank, len(world.members),
+                              RendezvousStoreInfo.build(rank, store, local_addr=self.agent.addr))
+        _torch_log.info(f"The node '{self.agent.name}' has joined round {world.round} of the "
+                        f"rendezvous '{self._run_id}' as rank {rank} in a world of size "
+                        f"{len(world.members)}.")
+        if self._on_world is not None:
+            self._on_world(world.round, info)
+        return info
+
+    def num_nodes_waiting(self) -> int:
+        """Joins to the round after this agent's world (one count-only read a second).
+
+        An outage counts as "nobody waits": training goes on while etcd is down, and only
+        membership changes wait for it (torch's agent dies on any exception here).
+        """
+        if self.world is None:
+            return 0
+        now = self._clock()
+        if now - self._waiting[0] < WAITING_CACHE_S:
+            return self._waiting[1]
+        try:
+            with no_retry():
+                joins = self._client.count_prefix(self._keys.rdzv_joins(self.world.round + 1))
+        except EtcdError as exc:
+            log.debug("etcd unreachable; assuming no node is waiting", reason=str(exc))
+            return 0
+        self._waiting = (now, nodes_waiting(len(self.world.members), joins, self._rules))
+        return self._waiting[1]
+
+    def shutdown(self) -> bool:
+        """Close the rendezvous only when this agent's workers succeeded (as ``handler.py``
+        explains for torch's handler), and leave it in every case."""
+        if sys.exc_info()[1] is None:
+            try:
+                self.set_closed()
+            except RendezvousConnectionError as exc:
+                log.warning("could not close the rendezvous", reason=str(exc))
+        else:
+            log.warning("agent is giving up; leaving the rendezvous open for the others",
+                        agent=self.agent.name, reason=repr(sys.exc_info()[1])[:200])
+        # Revoking the liveness lease removes this agent's liveness and join keys at once.
+        self._alive.stop(revoke=True)
+        self._alive_started = False
+        return True
+
+    # -- the steps ---------------------------------------------------------------------
+
+    def _etcd(self, call: Callable[[], T]) -> T:
+        try:
+            return call()
+        except EtcdError as exc:
+            raise RendezvousConnectionError(f"etcd3 rendezvous: {exc}") from exc
+
+    def _ensure_alive(self) -> None:
+        if not self._alive_started:
+            self._etcd(self._alive.start)
+            self._alive_started = True
+            self._reattach(self._alive.id)
+
+    def _reattach(self, lease: int) -> None:
+        """(Re)write this agent's keys on its liveness lease (a new lease after an expiry)."""
+        value = json.dumps(self.agent.to_json()).encode()
+        self._etcd(lambda: self._client.put(self._keys.rdzv_alive + self.agent.name, value, lease))
+        joined = self._joined
+        if joined is not None and (self.world is None or joined > self.world.round):
+            self._etcd(lambda: self._client.put(self._join_key(joined), value, lease))
+
+    def _join_key(self, round_: int) -> str:
+        return f"{self._keys.rdzv_joins(round_)}{self.agent.name}"
+
+    def _next_round(self) -> int:
+        found, _ = self._etcd(lambda: self._client.get_many(
+            [self._keys.rdzv_round, self._keys.rdzv_closed]))
+        if self._keys.rdzv_closed in found:
+            raise RendezvousClosedError(f"the rendezvous of {self._run_id} is closed "
+                                        f"({self._keys.rdzv_closed} exists)")
+        pointer = found.get(self._keys.rdzv_round)
+        if pointer is None:
+            return 0
+        return decode_pointer(pointer.value, pointer.key)[0] + 1
+
+    def _join(self, round_: int) -> None:
+        value = json.dumps(self.agent.to_json()).encode()
+        previous = self._joined
+        self._etcd(lambda: self._client.put(self._join_key(round_), value, self._alive.id))
+        self._joined = round_
+        if previous is not None and previous != round_:
+            self._etcd(lambda: self._client.delete(self._join_key(previous)))
+
+    def _await_world(self, round_: int, end: float) -> World:
+        previous = self._read_world(round_ - 1) if round_ > 0 else None
+        ready_since: float | None = None
+        world_key, mine = self._keys.rdzv_world(round_), self._join_key(round_)
+        while True:
+            if self._clock() >= end:
+                raise RendezvousTimeoutError(
+                    f"round {round_} of {self._run_id} did not close within join_timeout="
+                    f"{self._join_timeout_s:.0f} s (min_nodes={self._rules.min_nodes}); start more "
+                    "nodes or raise --rdzv-conf join_timeout")
+            found, revision = self._etcd(lambda: self._client.get_many(
+                [world_key, self._keys.rdzv_closed, mine]))
+            if self._keys.rdzv_closed in found:
+                raise RendezvousClosedError(f"the rendezvous of {self._run_id} was closed")
+            if world_key in found:
+                return World.decode(found[world_key].value, world_key)
+            if mine not in found:
+                self._join(round_)       # our join is gone (lease lost, or evicted): again
+                continue
+            leader = self._etcd(lambda: self._client.first_created(self._keys.rdzv_joins(round_)))
+            if leader is not None and leader.key == mine:
+                ready_since = self._lead(round_, previous, ready_since)
+            else:
+                self._etcd(lambda rev=revision: self._client.wait_for_change(world_key, rev,
+                                                                            FOLLOWER_POLL_S))
+
+    def _lead(self, round_: int, previous: World | None, ready_since: float | None) -> float | None:
+        """One decision as the round's leader: close it, or wait for news (bounded)."""
+        kvs, revision = self._etcd(lambda: self._client.list_prefix(self._keys.rdzv_joins(round_)))
+        joined = tuple(j for j in map(_joined, kvs) if j is not None)
+        snapshot = Snapshot(round_, joined, previous, self._alive_among(previous, joined))
+        decision = decide(snapshot, self._rules, ready_since, self._clock())
+        if decision.close:
+            self._close(World(round_, decision.members), decision.reason)
+            return None
+        wait_s = LEADER_POLL_S if decision.blocked else min(decision.wait_s or FOLLOWER_POLL_S,
+                                                            FOLLOWER_POLL_S)
+        if self._etcd(lambda: self._client.wait_for_change(self._keys.rdzv_joins(round_),
+                                                           revision, wait_s)):
+            time.sleep(LEADER_BATCH_S)
+        return decision.ready_since
+
+    def _alive_among(self, previous: World | None, joined: tuple[Joined, ...]) -> frozenset[Agent]:
+        if previous is None:
+            return frozenset()
+        absent = [m for m in previous.members if m not in {j.agent for j in joined}]
+        if not absent:
+            return frozenset()
+        found, _ = self._etcd(lambda: self._client.get_many(
+            [self._keys.rdzv_alive + m.name for m in absent]))
+        return frozenset(m for m in absent if self._keys.rdzv_alive + m.name in found)
+
+    def _close(self, world: World, reason: str) -> None:
+        lease = self._run_lease.id
+        won = self._etcd(lambda: self._client.create_all(
+            {self._keys.rdzv_world(world.round): (world.encode(), lease),
+             self._keys.rdzv_round: (encode_pointer(world), lease)},
+            first=self._keys.rdzv_world(world.round),
+            deletes=(self._keys.rdzv_world(world.round - 2),) if world.round >= 2 else ()))
+        if won:
+            log.info("closed the round", round=world.round, world_size=len(world.members),
+                     reason=reason)
+
+    def _read_world(self, round_: int) -> World | None:
+        key = self._keys.rdzv_world(round_)
+        kv = self._etcd(lambda: self._client.get(key))
+        return None if kv is None else World.decode(kv.value, key)
+
+
+def _joined(kv: KeyValue) -> Joined | None:
+    """A join key's agent; a value this plugin did not write is left out (and logged)."""
+    try:
+        return Joined(Agent.from_json(json.loads(kv.value)), kv.create_revision)
+    except (ValueError, TypeError) as exc:
+        log.warning("ignoring a malformed join key", key=kv.key, problem=str(exc),
+                    fix="delete the key")
+        return None
+
+

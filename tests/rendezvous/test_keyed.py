@@ -1,0 +1,163 @@
+"""Keyed rounds (``--rdzv-conf rounds=keyed``) against a real etcd: several handlers, as
+torchrun builds them, in threads of this process."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousParameters,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+)
+
+from elasticd.rendezvous import admin
+from elasticd.rendezvous.handler import create_handler
+from elasticd.rendezvous.keyed import KeyedRendezvousHandler
+from elasticd.rendezvous.keys import JobKeys
+from tests.conftest import connect
+
+
+@pytest.fixture
+def make(etcd_server, job_id):
+    made: list[KeyedRendezvousHandler] = []
+
+    def build(i: int, min_nodes: int = 2, max_nodes: int = 3, **conf: str) -> KeyedRendezvousHandler:
+        settings = {"rounds": "keyed", "last_call_timeout": "1", "keep_alive_interval": "1",
+                    "keep_alive_max_attempt": "3", "join_timeout": "30", **conf}
+        handler = create_handler(RendezvousParameters(
+            "etcd3", etcd_server.endpoint, job_id, min_nodes, max_nodes,
+            local_addr=f"127.0.0.{i + 1}", **settings))
+        assert isinstance(handler, KeyedRendezvousHandler)
+        made.append(handler)
+        return handler
+
+    yield build
+    for handler in made:
+        handler._alive.stop(revoke=True)
+
+
+@pytest.fixture
+def client(etcd_server):
+    c = connect(etcd_server)
+    yield c
+    c.close()
+
+
+def rendezvous_all(handlers):
+    with ThreadPoolExecutor(len(handlers)) as pool:
+        return list(pool.map(lambda h: h.next_rendezvous(), handlers))
+
+
+def test_three_agents_form_one_world_with_distinct_ranks_and_one_master(make):
+    infos = rendezvous_all([make(i) for i in range(3)])
+    assert sorted(i.rank for i in infos) == [0, 1, 2]
+    assert {i.world_size for i in infos} == {3}
+    masters = {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port)
+               for i in infos}
+    assert len(masters) == 1 and next(iter(masters))[0] == "127.0.0.1"   # rank 0 sorts first
+
+
+def test_a_round_costs_a_few_writes_per_agent_not_per_pair(make, client, job_id):
+    keys = JobKeys(job_id)
+    _, before = client.get_many([keys.rdzv_round])
+    n = 8
+    infos = rendezvous_all([make(i, min_nodes=n, max_nodes=n) for i in range(n)])
+    _, after = client.get_many([keys.rdzv_round])
+    assert {i.world_size for i in infos} == {n}
+    # Per agent: its liveness key and its join (2 each); the leader's close (1); rank 0's
+    # MASTER_ADDR/PORT (2); the generation epoch (1). torch's shared state costs O(n^2).
+    assert after - before <= 2 * n + 4, after - before
+
+
+def test_survivors_re_form_without_the_evicted_agent(make, client, job_id):
+    handlers = [make(i) for i in range(3)]
+    rendezvous_all(handlers)
+    dead = handlers[2]
+    removal = admin.evict_agents(client, JobKeys(job_id), {(dead.agent.addr, dead.agent.pid)}, 2)
+    assert removal.in_round and removal.removed == (dead.agent.name,)
+    dead._alive.stop(revoke=False)       # a dead agent renews nothing
+    started = time.monotonic()
+    infos = rendezvous_all(handlers[:2])
+    took = time.monotonic() - started
+    assert {i.world_size for i in infos} == {2} and sorted(i.rank for i in infos) == [0, 1]
+    assert handlers[0].world.round == 1
+    assert took < 10, took      # the last call (1 s), not the liveness lease (3 s) and more
+
+
+def test_a_dead_agent_that_nobody_evicts_blocks_until_its_lease_expires(make):
+    handlers = [make(i) for i in range(3)]
+    rendezvous_all(handlers)
+    handlers[2]._alive.stop(revoke=False)          # killed: its lease (3 s) runs out
+    infos = rendezvous_all(handlers[:2])
+    assert {i.world_size for i in infos} == {2}
+
+
+def test_a_newcomer_is_waiting_for_the_members_then_all_re_form(make):
+    members = [make(i) for i in range(2)]
+    rendezvous_all(members)
+    newcomer = make(2)
+    pending = ThreadPoolExecutor(1).submit(newcomer.next_rendezvous)
+    deadline = time.monotonic() + 10
+    while members[0].num_nodes_waiting() == 0:
+        assert time.monotonic() < deadline, "the members never saw the newcomer waiting"
+        time.sleep(0.2)
+    infos = rendezvous_all(members) + [pending.result(timeout=30)]
+    assert {i.world_size for i in infos} == {3} and members[0].world.round == 1
+
+
+def test_a_full_world_does_not_restart_for_a_spare_and_the_spare_times_out(make):
+    members = [make(i, max_nodes=2) for i in range(2)]
+    rendezvous_all(members)
+    spare = make(2, max_nodes=2, join_timeout="3")
+    with pytest.raises(RendezvousTimeoutError, match="join_timeout"):
+        spare.next_rendezvous()
+    members[0]._waiting = (float("-inf"), 0)
+    assert members[0].num_nodes_waiting() == 0
+
+
+def test_only_a_successful_shutdown_closes_the_rendezvous(make):
+    handlers = [make(i) for i in range(2)]
+    rendezvous_all(handlers)
+    try:
+        raise RuntimeError("workers failed")
+    except RuntimeError:
+        handlers[1].shutdown()            # giving up: leaves, does not close
+    assert not handlers[0].is_closed()
+    handlers[0].shutdown()                # success
+    assert handlers[1].is_closed()
+    with pytest.raises(RendezvousClosedError):
+        make(3).next_rendezvous()
+
+
+def test_a_corrupt_world_is_reported_as_torchs_state_error(make, client, job_id):
+    keys = JobKeys(job_id)
+    client.put(keys.rdzv_world(0), b"\x80\x04cos\nsystem\n.")
+    with pytest.raises(RendezvousStateError, match="etcdctl del --prefix"):
+        make(0, min_nodes=1).next_rendezvous()
+
+
+def test_the_daemon_view_and_reopen_work_on_keyed_rounds(make, client, job_id):
+    keys = JobKeys(job_id)
+    handlers = [make(i) for i in range(2)]
+    rendezvous_all(handlers)
+    view = admin.current_round(client, keys)
+    assert view.round == 0 and view.complete and not view.closed and view.world_nodes == 2
+    assert view.participants == tuple((h.agent.addr, h.agent.pid) for h in handlers)
+    handlers[0].set_closed()
+    assert admin.current_round(client, keys).closed
+    assert admin.reopen_if_closed(client, keys)
+    assert not handlers[1].is_closed()
+
+
+def test_an_expired_liveness_lease_is_granted_anew_with_the_keys_back(make, client, job_id):
+    keys = JobKeys(job_id)
+    handler = make(0, min_nodes=1, max_nodes=1)
+    handler.next_rendezvous()
+    client.revoke_lease(handler._alive.id)
+    assert client.get(keys.rdzv_alive + handler.agent.name) is None
+    handler._alive.refresh_once()          # what its keep-alive thread does next
+    assert client.get(keys.rdzv_alive + handler.agent.name) is not None
