@@ -146,13 +146,21 @@ class KeyedRendezvousHandler(RendezvousHandler):
         now = self._clock()
         if now - self._waiting[0] < WAITING_CACHE_S:
             return self._waiting[1]
+        members = self.world.members
         try:
             with no_retry():
                 joins = self._client.count_prefix(self._keys.rdzv_joins(self.world.round + 1))
+                live = len(members)
+                if joins and live >= self._rules.max_nodes:
+                    # A full world turns newcomers away, unless members died since it formed
+                    # (an in-place shrink keeps this world): count the live ones.
+                    found, _ = self._client.get_many(
+                        [self._keys.rdzv_alive + m.name for m in members])
+                    live = len(found)
         except EtcdError as exc:
             log.debug("etcd unreachable; assuming no node is waiting", reason=str(exc))
             return 0
-        self._waiting = (now, nodes_waiting(len(self.world.members), joins, self._rules))
+        self._waiting = (now, nodes_waiting(live, joins, self._rules))
         return self._waiting[1]
 
     def shutdown(self) -> bool:

@@ -199,7 +199,8 @@ def decide(snapshot: Snapshot, rules: Rules, ready_since: float | None, now: flo
                     reason=f"{len(order)} joined and the last call passed")
 
 
-def nodes_waiting(world_size: int, next_joins: int, rules: Rules) -> int:
-    """torch's ``num_nodes_waiting`` for a member of a world of ``world_size``: the joins
-    to the next round, unless the world is full (torch's redundancy list waits silently)."""
-    return 0 if world_size >= rules.max_nodes else next_joins
+def nodes_waiting(live_members: int, next_joins: int, rules: Rules) -> int:
+    """torch's ``num_nodes_waiting`` for a member of a world with ``live_members`` live
+    members: the joins to the next round, unless the world is full (torch's redundancy
+    list waits silently)."""
+    return 0 if live_members >= rules.max_nodes else next_joins

@@ -34,8 +34,13 @@ def _rank0(nodes):
     return next(n for n in nodes if (n.progress() or {}).get("rank") == 0)
 
 
-def test_crash_join_and_rank0_loss(etcd_server, cluster):
-    add, nodes = cluster
+@pytest.mark.parametrize("rounds", ["torch", "keyed"])
+def test_crash_join_and_rank0_loss(etcd_server, cluster, rounds):
+    add0, nodes = cluster
+
+    def add(name: str, endpoint: str) -> DaemonNode:
+        return add0(name, endpoint, sections=f'[rendezvous]\nrounds = "{rounds}"\n')
+
     a, b, c = (add(n, etcd_server.endpoint) for n in "abc")
     wait_for(lambda: stepping_at([a, b, c], 3, 0), 120, "world of 3", nodes)
 

@@ -161,3 +161,21 @@ def test_an_expired_liveness_lease_is_granted_anew_with_the_keys_back(make, clie
     assert client.get(keys.rdzv_alive + handler.agent.name) is None
     handler._alive.refresh_once()          # what its keep-alive thread does next
     assert client.get(keys.rdzv_alive + handler.agent.name) is not None
+
+
+def test_a_full_world_that_lost_a_member_takes_a_newcomer(make, client, job_id):
+    # An in-place shrink keeps the rendezvous world of 3 while its third member is dead:
+    # the newcomer must still make the live members restart into a new round.
+    members = [make(i, max_nodes=3) for i in range(3)]
+    rendezvous_all(members)
+    dead = members[2]
+    admin.evict_agents(client, JobKeys(job_id), {(dead.agent.addr, dead.agent.pid)}, 2)
+    dead._alive.stop(revoke=False)
+    newcomer = make(3, max_nodes=3)
+    pending = ThreadPoolExecutor(1).submit(newcomer.next_rendezvous)
+    deadline = time.monotonic() + 10
+    while members[0].num_nodes_waiting() == 0:
+        assert time.monotonic() < deadline, "a full world that lost a member ignored the newcomer"
+        time.sleep(0.2)
+    infos = rendezvous_all(members[:2]) + [pending.result(timeout=30)]
+    assert {i.world_size for i in infos} == {3}

@@ -8,7 +8,15 @@ import time
 
 import pytest
 
-from tests.torchrun_nodes import TorchrunNode, latest, reports, stop_all, wait_until, world_after
+from tests.torchrun_nodes import (
+    FAST_RDZV_CONF,
+    TorchrunNode,
+    latest,
+    reports,
+    stop_all,
+    wait_until,
+    world_after,
+)
 
 
 @pytest.fixture
@@ -38,8 +46,14 @@ def _force_restart(report_dir, victim: str, nodes, what: str) -> None:
                            for n in old), 60, what, nodes)
 
 
-def test_three_nodes_survive_crash_rejoin_and_rank0_loss(etcd_server, cluster, tmp_path):
-    add, nodes = cluster
+@pytest.mark.parametrize("rounds", ["torch", "keyed"])
+def test_three_nodes_survive_crash_rejoin_and_rank0_loss(etcd_server, cluster, tmp_path, rounds):
+    add0, nodes = cluster
+    conf = f"{FAST_RDZV_CONF},rounds={rounds}"
+
+    def add(name: str, endpoint: str) -> TorchrunNode:
+        return add0(name, endpoint, rdzv_conf=conf)
+
     a, b, c = (add(n, etcd_server.endpoint) for n in "abc")
     start = time.time()
     wait_until(lambda: world_after(tmp_path, ["a", "b", "c"], 3, start), 90, "world of 3", nodes)
