@@ -70,7 +70,8 @@ from elasticd.etcd_client import EtcdClient, EtcdSettings
 from elasticd.rendezvous.keys import JobKeys
 
 REPO = Path(__file__).resolve().parents[1]
-SYSTEMS = ("elasticd", "etcd3", "etcd3-poll", "c10d")
+# "-keyed": the same on keyed rounds (``--rdzv-conf rounds=keyed``, rendezvous/keyed.py).
+SYSTEMS = ("elasticd", "etcd3", "etcd3-poll", "c10d", "elasticd-keyed", "etcd3-keyed")
 MONITOR_INTERVAL_S = 0.1
 # The delay between a node's death and its peers' collective failing (gloo, measured
 # ~0.1 s in benchmarks/mttr.py).
@@ -245,6 +246,7 @@ class Cell:
     def base_spec(self, store: str) -> dict[str, Any]:
         return {"system": self.system, "job": self.job, "etcd": store,
                 "torch_poll": self.system == "etcd3-poll",
+                "rounds": "keyed" if self.system.endswith("-keyed") else "torch",
                 "min_nodes": min_nodes(self.n), "max_nodes": self.n,
                 "run_dir": str(self.work / "nodes"), "log_level": "INFO"}
 
@@ -601,7 +603,8 @@ def plot(cells: list[dict], prefix: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     written = []
-    colors = dict(zip(SYSTEMS, ("tab:blue", "tab:orange", "tab:green", "tab:red"), strict=True))
+    colors = dict(zip(SYSTEMS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
+                                "tab:brown"), strict=True))
     for key, title, unit, _ in FIGURES:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         drawn = False
@@ -621,7 +624,7 @@ def plot(cells: list[dict], prefix: Path) -> list[str]:
             if missed:
                 drawn = True
                 # Nudged apart in N so that systems missing the same cap stay visible.
-                nudge = 1 + 0.07 * (SYSTEMS.index(system) - 1.5)
+                nudge = 1 + 0.07 * (SYSTEMS.index(system) - (len(SYSTEMS) - 1) / 2)
                 ax.scatter([n * nudge for n, _ in missed], [cap for _, cap in missed], marker="x", s=70,
                            color=colors[system], label=f"{system}: not within the cap", zorder=5)
         if not drawn:

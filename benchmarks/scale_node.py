@@ -62,7 +62,8 @@ def emit(**event: Any) -> None:
 
 _COUNTED_CALLS = ("get", "get_prefix", "list_prefix", "get_many", "put", "put_or_create",
                   "delete", "delete_if_revision", "grant_lease", "refresh_lease", "lease_ttl",
-                  "revoke_lease", "wait_for_change", "watch_prefix")
+                  "revoke_lease", "wait_for_change", "watch_prefix", "count_prefix",
+                  "first_created", "create_all")
 # Threads that act for the daemon (its loop, its node lease); everything else in the
 # process that calls etcd is the rendezvous (agent thread, torch's keep-alive timer,
 # the run lease).
@@ -150,10 +151,8 @@ def build_agent(command: list[str], node_id: str) -> Any:
             ids = {w.local_rank: next(_WORKER_IDS) for w in worker_group.workers}
             self.worker_ids = tuple(ids.values())
             self.failed.clear()
-            holder = getattr(spec.rdzv_handler, "_state_holder", None)
             emit(ev="world", node=node_id, t=time.time(), rank=worker_group.group_rank,
-                 world_size=worker_group.group_world_size,
-                 round=getattr(getattr(holder, "state", None), "round", None))
+                 world_size=worker_group.group_world_size, round=_round_of(spec.rdzv_handler))
             return ids
 
         def _stop_workers(self, worker_group: Any) -> None:
@@ -166,6 +165,15 @@ def build_agent(command: list[str], node_id: str) -> Any:
             pass
 
     return StandInAgent()
+
+
+def _round_of(handler: Any) -> int | None:
+    """The round of the world just formed, for either rendezvous handler."""
+    world = getattr(handler, "world", None)          # keyed rounds
+    if world is not None:
+        return world.round
+    holder = getattr(handler, "_state_holder", None)  # torch's dynamic rendezvous
+    return getattr(getattr(holder, "state", None), "round", None)
 
 
 class StandInAgentProcess:
@@ -245,6 +253,7 @@ def node_config(spec: dict[str, Any], node: dict[str, str]) -> Any:
         "checkpoint": {"dir": str(Path(spec["run_dir"]) / "checkpoints")},
         # The restart path: survivors re-rendezvous, which is what this harness measures.
         "recovery": {"mode": "restart"},
+        "rendezvous": {"rounds": spec.get("rounds", "torch")},
     })
 
 
@@ -336,7 +345,7 @@ def main() -> None:
         what = cmd["cmd"]
         if what == "go":
             for node in spec["nodes"]:
-                if spec["system"] == "elasticd":
+                if spec["system"].startswith("elasticd"):
                     handles[node["id"]] = start_daemon(spec, node)
                 else:
                     agent = StandInAgentProcess(node["command"], node_id=node["id"])

@@ -6,23 +6,26 @@ from __future__ import annotations
 import argparse
 
 import psutil
+import pytest
 
 from benchmarks import scale
 
 # The adapter calls that are one unary etcd request each, and the etcd methods they become.
 UNARY_CALLS = ("get", "get_prefix", "list_prefix", "get_many", "put", "put_or_create", "delete",
-               "delete_if_revision", "grant_lease", "lease_ttl", "revoke_lease")
+               "delete_if_revision", "grant_lease", "lease_ttl", "revoke_lease", "count_prefix",
+               "first_created", "create_all")
 UNARY_METHODS = ("Range", "Txn", "Put", "DeleteRange", "LeaseGrant", "LeaseTimeToLive",
                  "LeaseRevoke")
 
 
-def test_four_nodes_form_lose_one_and_reform(etcd_server):
+@pytest.mark.parametrize("system", ["elasticd", "elasticd-keyed"])
+def test_four_nodes_form_lose_one_and_reform(etcd_server, system):
     args = argparse.Namespace(procs=1, form_timeout_s=60.0, reform_timeout_s=40.0, settle_s=0.2,
                               steady_s=1.5, etcd=etcd_server.endpoint, etcd_dir=None,
                               keep_dir=None)
     leftovers: list[int] = []
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    cell = scale.run_cell("elasticd", 4, args, leftovers)
+    cell = scale.run_cell(system, 4, args, leftovers)
 
     assert leftovers == []
     assert not {p.pid for p in psutil.Process().children(recursive=True)} - before
