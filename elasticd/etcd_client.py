@@ -466,14 +466,16 @@ class EtcdClient:
 
     # -- watches -------------------------------------------------------------------------
 
-    def wait_for_change(self, prefix: str, after_revision: int, timeout_s: float) -> bool:
-        """Block until a key under ``prefix`` changes after ``after_revision`` or timeout.
+    def wait_for_change(self, prefix: str, after_revision: int, timeout_s: float,
+                        exact: bool = False) -> bool:
+        """Block until a key under ``prefix`` (the key ``prefix`` itself if ``exact``)
+        changes after ``after_revision`` or timeout.
 
         Returns True if a change was seen. A broken watch stream returns False
         early; callers re-read state, so that only costs one poll.
         """
         events: queue.Queue = queue.Queue()
-        range_end = etcd_utils.prefix_range_end(etcd_utils.to_bytes(prefix))
+        range_end = None if exact else etcd_utils.prefix_range_end(etcd_utils.to_bytes(prefix))
         watch_id = self._call(lambda c: c.add_watch_callback(
             prefix, events.put, range_end=range_end, start_revision=after_revision + 1))
         try:

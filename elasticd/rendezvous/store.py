@@ -2,8 +2,9 @@
 
 Each key is one etcd key under the run's store prefix, attached to the run
 lease. Blocking reads (``get``, ``wait``, ``multi_get``) read the keys, and if
-some are missing, watch the prefix from the revision they read at, so a write
-that lands between the read and the watch is never missed.
+some are missing, watch the first missing key from the revision they read at, so a
+write that lands between the read and the watch is never missed, and a write of
+another key wakes nobody.
 
 Values are bytes; ``add`` keeps a decimal counter (as TCPStore does) updated
 by compare-and-set, so concurrent adders never lose an increment.
@@ -115,7 +116,12 @@ class EtcdV3Store(dist.Store):
                     f"etcd3 store: wait timeout after {timeout_s * 1000:.0f}ms, keys: "
                     f"{', '.join(missing)} (Timeout waiting for key under {self._prefix})"
                 )
-            self._client.wait_for_change(self._prefix, revision, min(remaining, 5.0))
+            # Woken by the first missing key alone: watching the whole prefix would wake
+            # every waiting agent on every agent's write (torch's rank assignment has N
+            # agents each waiting for its own key: O(N^2) wake-ups and re-reads).
+            first_missing = next(f for f in full if f not in found)
+            self._client.wait_for_change(first_missing, revision, min(remaining, 5.0),
+                                         exact=True)
 
     def _update(self, key: str, change) -> bytes:
         """Write ``change(current value or None)`` by compare-and-set; return what was written."""
