@@ -245,10 +245,15 @@ def event_outcome(records: list[dict[str, Any]], t_event: float,
 
 
 def pauses(records: list[dict[str, Any]], t0: float, t1: float, min_gap_s: float = 1.0) -> float:
-    """Seconds in ``[t0, t1]`` between step records more than ``min_gap_s`` apart (the job
-    did not train; the progress file is rewritten at least every 0.25 s while it does)."""
-    steps = [r["time"] for r in records if r.get("event") in STEP_EVENTS and t0 <= r["time"] <= t1]
-    return sum(b - a for a, b in zip(steps, steps[1:], strict=False) if b - a > min_gap_s)
+    """Seconds of ``[t0, t1]`` inside gaps of more than ``min_gap_s`` between step records
+    (the job did not train; the progress file is rewritten at least every 0.25 s while it
+    does). A gap that runs past ``t1`` (to the next step, or forever) counts up to ``t1``."""
+    steps = [r["time"] for r in records if r.get("event") in STEP_EVENTS]
+    total = 0.0
+    for a, b in zip(steps, [*steps[1:], float("inf")], strict=True):
+        if b - a > min_gap_s:
+            total += max(0.0, min(b, t1) - max(a, t0))
+    return total
 
 
 # -- running a system ----------------------------------------------------------------------
@@ -539,7 +544,7 @@ def where_it_goes(summary: dict[str, dict[str, Any]]) -> list[str]:
         paused = g["paused_s"] * g["fault_free_rate"]
         rolled = g["steps_lost_total"]
         rest = missing - paused - rolled
-        kinds = ", ".join(f"{k} {v['pause_s_median']} s" for k, v in g["by_kind"].items()
+        kinds = ", ".join(f"{k} {v['pause_s_median']:.1f} s" for k, v in g["by_kind"].items()
                           if v["pause_s_median"] is not None)
         out.append(
             f"- **{SYSTEMS[system]}**: {missing} steps short of fault-free. Pauses (no step for > 1 s: "

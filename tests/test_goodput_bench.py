@@ -117,6 +117,9 @@ def test_goodput_of_a_synthetic_run() -> None:
     assert g.goodput(useful, rate, 60) == pytest.approx(useful / 600, rel=0.01)
     assert 0.9 < g.goodput(useful, rate, 60) < 0.93   # 548 of 600
     assert g.pauses(timeline, 0, 60) == pytest.approx(3.25)   # last step 30.0, next 33.25
+    # A gap across the window's end counts up to the end; a job that never steps again too.
+    assert g.pauses(timeline, 0, 31) == pytest.approx(1.0)
+    assert g.pauses(steady(0, 30, 0), 0, 50) == pytest.approx(20.0)
 
 
 def test_event_outcome_in_place_and_restart() -> None:
