@@ -63,7 +63,14 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from benchmarks.mttr import TUNED_CONF, inject, loadavg, machine, wait_quiet  # noqa: E402
+from benchmarks.mttr import (  # noqa: E402
+    TUNED_CONF,
+    _raise_interrupt,
+    inject,
+    loadavg,
+    machine,
+    wait_quiet,
+)
 from elasticd import proctree  # noqa: E402
 from elasticd.embedded_etcd import free_port  # noqa: E402
 from elasticd.local_cluster import (  # noqa: E402
@@ -593,10 +600,6 @@ def write_report(out: Path, name: str, report: dict[str, Any]) -> None:
     (out / f"{name}.md").write_text(markdown(report))
 
 
-def _interrupt(signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--duration-s", type=float, default=300.0, help="trace length per system")
@@ -621,8 +624,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     proctree.become_subreaper()
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGHUP, _interrupt)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGHUP, _raise_interrupt)
     quiet = wait_quiet(args.wait_quiet_s) if args.wait_quiet_s > 0 else None
     trace = draw_trace(args.seed, args.duration_s, args.mtbf_s, rejoin_after_s=args.rejoin_after_s,
                        silent_s=args.silent_s)
