@@ -396,7 +396,24 @@ class EtcdClient:
         return bool(ok)
 
     def get_many(self, keys: list[str]) -> tuple[dict[str, KeyValue], int]:
-        """The given keys (absent ones omitted) read atomically, and the revision read at."""
+        """The given keys (absent ones omitted) and the revision read at.
+
+        Atomic up to ``MAX_TXN_OPS`` keys (etcd refuses larger transactions: "too many
+        operations in txn request", its ``--max-txn-ops`` default); more are read in
+        chunks, and the revision is the first chunk's, so a watch from it misses no
+        write made while the later chunks were read.
+        """
+        if len(keys) > MAX_TXN_OPS:
+            found: dict[str, KeyValue] = {}
+            first: int | None = None
+            for start in range(0, len(keys), MAX_TXN_OPS):
+                part, revision = self.get_many(keys[start:start + MAX_TXN_OPS])
+                found.update(part)
+                first = revision if first is None else first
+            return found, int(first or 0)
+        return self._get_atomic(keys)
+
+    def _get_atomic(self, keys: list[str]) -> tuple[dict[str, KeyValue], int]:
         def op(c: Any) -> tuple[dict[str, KeyValue], int]:
             response = c.kvstub.Txn(
                 etcd3.etcdrpc.TxnRequest(success=[
@@ -514,6 +531,10 @@ class EtcdClient:
                 self._client.cancel_watch(watch_id)
         except EtcdError:
             pass  # the stream is gone already: nothing is left to cancel
+
+
+# etcd's default ``--max-txn-ops``: the most operations one transaction may hold.
+MAX_TXN_OPS = 128
 
 
 def _tx() -> Any:

@@ -215,10 +215,22 @@ class KeyedRendezvousHandler(RendezvousHandler):
             return 0
         return decode_pointer(pointer.value, pointer.key)[0] + 1
 
+    def _put_alive(self, key: str, value: bytes) -> None:
+        """Put ``key`` on the liveness lease; if that lease expired (this agent was starved
+        of CPU for its TTL, or etcd lost it), renew it first, which re-attaches the keys."""
+        try:
+            self._client.put(key, value, self._alive.id)
+        except EtcdError as exc:
+            if "lease not found" not in str(exc):
+                raise RendezvousConnectionError(f"etcd3 rendezvous: {exc}") from exc
+            log.warning("the liveness lease had expired; renewing it", agent=self.agent.name)
+            self._alive.refresh_once()
+            self._etcd(lambda: self._client.put(key, value, self._alive.id))
+
     def _join(self, round_: int) -> None:
         value = json.dumps(self.agent.to_json()).encode()
         previous = self._joined
-        self._etcd(lambda: self._client.put(self._join_key(round_), value, self._alive.id))
+        self._put_alive(self._join_key(round_), value)
         self._joined = round_
         if previous is not None and previous != round_:
             self._etcd(lambda: self._client.delete(self._join_key(previous)))

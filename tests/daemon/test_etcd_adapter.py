@@ -121,3 +121,19 @@ def test_a_stalled_checkpoint_scan_never_blocks_its_reader():
     finally:
         release.set()
         scanner.stop()
+
+
+def test_get_many_reads_more_keys_than_one_transaction_may_hold(etcd_server):
+    # etcd refuses a transaction of more than 128 operations (--max-txn-ops); torch's
+    # rank assignment multi_gets one key per agent: 256 agents broke it.
+    from elasticd.etcd_client import MAX_TXN_OPS
+    from tests.conftest import connect
+
+    c = connect(etcd_server)
+    keys = [f"/many-{i:04d}" for i in range(2 * MAX_TXN_OPS + 7)]
+    for key in keys[::2]:
+        c.put(key, key.encode())
+    found, revision = c.get_many(keys)
+    assert set(found) == set(keys[::2]) and revision > 0
+    assert all(found[k].value == k.encode() for k in found)
+    c.close()

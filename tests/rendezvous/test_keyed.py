@@ -179,3 +179,15 @@ def test_a_full_world_that_lost_a_member_takes_a_newcomer(make, client, job_id):
         time.sleep(0.2)
     infos = rendezvous_all(members[:2]) + [pending.result(timeout=30)]
     assert {i.world_size for i in infos} == {3}
+
+
+def test_a_join_on_an_expired_liveness_lease_renews_it_instead_of_failing(make, client, job_id):
+    # Seen at 128 packed agents: a starved agent's lease ran out before its join's put,
+    # and the put failed with "requested lease not found", killing the agent.
+    keys = JobKeys(job_id)
+    handler = make(0, min_nodes=1, max_nodes=1)
+    handler.next_rendezvous()
+    client.revoke_lease(handler._alive.id)
+    info = handler.next_rendezvous()
+    assert info.world_size == 1
+    assert client.get(keys.rdzv_alive + handler.agent.name) is not None
