@@ -611,6 +611,8 @@ def plot(cells: list[dict], prefix: Path) -> list[str]:
         for system in SYSTEMS:
             mine = sorted((c for c in cells if c["system"] == system), key=lambda c: c["nodes"])
             shown = [(c["nodes"], figure(c, key)) for c in mine if figure(c, key) is not None]
+            if key == "probes_steady" and not system.startswith("elasticd"):
+                shown = []     # no daemon, no prober: the figure does not apply (the table's "-")
             if shown:
                 drawn = True
                 ax.plot([n for n, _ in shown], [y for _, y in shown], marker="o", label=system,
@@ -640,6 +642,8 @@ def plot(cells: list[dict], prefix: Path) -> list[str]:
             ax.axhline(5.0, color="grey", ls="--", lw=0.8, label="target 256: 5 s")
         if key == "reform_s":
             ax.axhline(3.0, color="grey", ls="--", lw=0.8, label="target 256: 3 s")
+        if key == "probes_steady":
+            ax.set_ylim(0, max(values, default=1) * 1.25)   # flat, not a zoomed-in wiggle
         ax.set_xlabel("simulated nodes N")
         ax.set_ylabel(unit)
         ax.set_title(title, fontsize=10)
