@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shutil
 import signal
 import statistics
 import subprocess
@@ -66,6 +65,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.mttr import (  # noqa: E402
     TUNED_CONF,
     _raise_interrupt,
+    finish_run,
     inject,
     loadavg,
     machine,
@@ -382,12 +382,7 @@ def run_system(system: str, trace: list[Fault], duration_s: float, silent_s: flo
             out |= measure_trace(job, trace, t0, t_end, silent_s)
             out["nodes_started"] = list(job.nodes)
     finally:
-        out["leftover"] = cluster.leftover if cluster else kill_descendants()
-        out["load_end"] = loadavg()
-        if keep:
-            out["dir"] = str(root)
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+        finish_run(out, cluster, root, keep)
     return out
 
 

@@ -352,13 +352,18 @@ def run_once(script: str, system: str, fault: str, phase: int, caps: dict[str, f
             bench = make_bench(system, cluster, SCRIPTS[script])
             result |= measure(bench, fault, phase, caps, ct_offset)
     finally:
-        result["leftover"] = cluster.leftover if cluster else kill_descendants()
-        result["load_end"] = loadavg()
-        if keep:
-            result["dir"] = str(root)
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+        finish_run(result, cluster, root, keep)
     return result
+
+
+def finish_run(result: dict[str, Any], cluster: Any, root: Path, keep: bool) -> None:
+    """A run's epilogue: what was left behind, the load at the end, its files kept or gone."""
+    result["leftover"] = cluster.leftover if cluster else kill_descendants()
+    result["load_end"] = loadavg()
+    if keep:
+        result["dir"] = str(root)
+    else:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def measure(bench: Bench, fault: str, phase: int, caps: dict[str, float],
