@@ -122,6 +122,35 @@ def test_goodput_of_a_synthetic_run() -> None:
     assert g.pauses(steady(0, 30, 0), 0, 50) == pytest.approx(20.0)
 
 
+def test_history_worlds_weights_each_kept_step_by_its_world() -> None:
+    # 300 steps at 4, a crash and a resume of step 280 at world 3, then 3 until 60 s.
+    timeline = steady(0, 30, 0) + [rec(33.0, 280, 3, "resumed")] + steady(33.25, 60, 281, 3)
+    worlds = g.history_worlds(timeline, 60)
+    assert len(worlds) == g.history_at(timeline, 60)
+    assert worlds[:280] == [4] * 280 and set(worlds[280:]) == {3}   # 281-300 redone at 3
+    # The end-of-window rollback applies here too: held 300 at 30.5 s, kept 280.
+    assert g.history_worlds(timeline, 30.5) == [4] * 280
+    assert g.history_worlds(timeline, -1) == []
+
+
+def test_sample_goodput_counts_a_smaller_world_as_less_training() -> None:
+    # Steps at the fault-free rate but on 2 of 4 nodes: every step, half the samples.
+    half = steady(0, 60, 0, world=2)
+    useful = g.history_at(half, 60)
+    assert g.goodput(useful, 10, 60) == pytest.approx(1.0, rel=0.01)
+    assert g.sample_goodput(sum(g.history_worlds(half, 60)), 10, 60) == pytest.approx(0.5, rel=0.01)
+
+
+def test_available_node_seconds_follows_removals_and_starts() -> None:
+    sent = [{"t": 10.0, "action": "kill", "node": "n1"},     # 4 -> 3
+            {"t": 20.0, "action": "stop", "node": "n2"},     # 3 -> 2 (frozen trains nothing)
+            {"t": 30.0, "action": "start", "node": "n4"},    # 2 -> 3
+            {"t": 50.0, "action": "kill", "node": "n2"},     # the frozen node's end: still 3
+            {"t": 70.0, "action": "term", "node": "n0"}]     # after the window: not counted
+    assert g.available_node_seconds(sent, 60, nodes=4) == 4 * 10 + 3 * 10 + 2 * 10 + 3 * 30
+    assert g.available_node_seconds([], 60, nodes=4) == 240
+
+
 def test_event_outcome_in_place_and_restart() -> None:
     inplace = steady(0, 30, 0) + [rec(30.6, 300, 3, "reformed")] + steady(30.75, 40, 301, 3)
     out = g.event_outcome(inplace, 30.1)
