@@ -139,6 +139,7 @@ def worker_settings(config: Config, files: RunFiles) -> WorkerSettings:
         recovery_mode=config.recovery.mode,
         recovery_bound_s=config.recovery.bound_s,
         generation_file=str(files.generation),
+        nonfinite_loss_limit=config.supervisor.nonfinite_loss_limit,
     )
 
 

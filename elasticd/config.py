@@ -22,7 +22,7 @@ from typing import Any
 from elasticd.errors import ConfigError
 from elasticd.etcd_client import EtcdSettings, parse_endpoint
 from elasticd.preemption import PreemptionConfig
-from elasticd.rendezvous.keys import check_job_id
+from elasticd.rendezvous.keys import ROUNDS, check_job_id
 from elasticd.worker_contract import (
     DEFAULT_LR_RULE,
     DEFAULT_RECOVERY_BOUND_S,
@@ -130,7 +130,7 @@ class RendezvousConfig:
     rounds: str = "torch"
 
     def __post_init__(self) -> None:
-        _require(self.rounds in ("torch", "keyed"), "rendezvous.rounds", self.rounds,
+        _require(self.rounds in ROUNDS, "rendezvous.rounds", self.rounds,
                  'use "torch" (the default) or "keyed" (for large jobs)')
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -194,8 +194,14 @@ class SupervisorConfig:
     hang_timeout_s: float = 0.0
     hang_floor_s: float = 120.0
     hang_factor: float = 20.0
+    # The workers stop as diverged after this many agreed non-finite losses in a row and
+    # the node is marked failed (a restart would diverge again); 0 disables the check.
+    nonfinite_loss_limit: int = 3
 
     def __post_init__(self) -> None:
+        _require(isinstance(self.nonfinite_loss_limit, int) and self.nonfinite_loss_limit >= 0,
+                 "supervisor.nonfinite_loss_limit", self.nonfinite_loss_limit,
+                 "use a whole number >= 0 (0 = never stop on a non-finite loss)")
         _require(self.worker_restarts >= 0, "supervisor.worker_restarts", self.worker_restarts,
                  "use a whole number >= 0")
         _require(0 < self.backoff_initial_s <= self.backoff_max_s, "supervisor.backoff_initial_s",

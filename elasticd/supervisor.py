@@ -20,7 +20,8 @@ the first matching phase rule. Phases and their edges::
       │                │                 in-place mode: agree the next generation, the
       │                │                 workers re-form; a re-form that fails or takes
       │                │                 too long falls back to the kill)
-      │                └──training hang──▶ RUNNING (kill our workers: a crash)
+      │                ├──training hang──▶ RUNNING (kill our workers: a crash)
+      │                └──loss diverged──▶ FAILED (a restart would diverge again)
     any non-final ──drain──▶ DRAINING ──agent gone──▶ STOPPED
     any non-final ──job completed elsewhere, agent gone──▶ COMPLETED
     any non-final ──second stop signal──▶ STOPPED (hard)
@@ -235,6 +236,8 @@ class Memory:
 
     phase: Phase = Phase.IDLE
     failures: tuple[float, ...] = ()       # crash times since the last progress
+    high_water: int = -1                   # the highest step the workers ever reported
+    failed_at_mark: int = -1               # high_water when the last failure was counted
     restart_at: float = 0.0                # end of the current backoff
     membership_changed_at: float = float("-inf")
     peers_seen: frozenset[str] = frozenset()
@@ -246,7 +249,6 @@ class Memory:
     agent_pid: int | None = None           # the agent whose exit was handled is not re-handled
     exit_handled: bool = False
     workers: frozenset[int] = frozenset()
-    step_at_start: int | None = None       # step when the agent (re)started
     step: int | None = None
     step_at: float | None = None           # when the current workers last advanced the step
     intervals: tuple[float, ...] = ()      # recent step intervals (hang bound)
@@ -321,17 +323,23 @@ def decide(snap: Snapshot, mem: Memory, policy: Policy) -> Decision:
 
 
 def _progress(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:
-    """Track the step; progress past the step at the last start ends a crash loop, and
-    the first completed step after a fault ends its recovery (timed)."""
+    """Track the step; a step past the highest one reached before the last failure
+    ends a crash loop, and the first completed step after a fault ends its recovery
+    (timed).
+
+    New ground, not any step: a restart resumes a checkpoint behind the failure, so
+    "stepped since the start" let a loop that fails at the same step every time (a
+    bad sample, a diverging model) clear its count forever (found by the goodput run)."""
     if snap.step is None or snap.step == mem.step:
         return mem, [], ""
     intervals = mem.intervals
     if mem.step_at is not None:
         intervals = (*intervals, snap.now - mem.step_at)[-20:]
-    cleared = (mem.failures and mem.step_at_start is not None and snap.step > mem.step_at_start)
+    cleared = bool(mem.failures) and snap.step > mem.failed_at_mark
     mem = replace(mem, step=snap.step, step_at=snap.now, intervals=intervals,
+                  high_water=max(mem.high_water, snap.step),
                   failures=() if cleared else mem.failures)
-    notes = ["training progressed; the crash count is reset"] if cleared else []
+    notes = ["training progressed past the last failure; the crash count is reset"] if cleared else []
     actions: list[Action] = []
     if (mem.recovering is not None and mem.in_place is None
             and snap.progress_event in ("step", "checkpoint")):
@@ -372,7 +380,7 @@ def _worker_restarts(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memor
     cause = restart_cause(snap.now, mem.membership_changed_at, snap.progress_event,
                           policy.membership_window_s)
     if cause == "crash":
-        mem = _recovering(replace(mem, failures=(*mem.failures, snap.now)), "worker-crash", snap.now)
+        mem = _recovering(_count_failure(mem, mem.failures, snap.now), "worker-crash", snap.now)
     return mem, [act(Kind.JOURNAL, event="workers-restarted", fields={"cause": cause}),
                  act(Kind.COUNT, metric="worker_restarts", label=cause)], \
         f"the agent restarted its workers after a {cause}"
@@ -686,12 +694,17 @@ def _agent_exited(snap: Snapshot, mem: Memory, policy: Policy):
                                  f"{policy.crash_loop_window_s:.0f} s (last exit code "
                                  f"{snap.agent_exit}); marking this node failed")
     delay = min(policy.backoff_initial_s * 2 ** (count - 1), policy.backoff_max_s)
-    mem = replace(_recovering(mem, "agent-crash", snap.now), phase=Phase.BACKOFF,
-                  failures=(*failures, snap.now), restart_at=snap.now + delay)
+    mem = replace(_count_failure(_recovering(mem, "agent-crash", snap.now), failures, snap.now),
+                  phase=Phase.BACKOFF, restart_at=snap.now + delay)
     return (mem, [act(Kind.PUBLISH, fields={"state": "backoff", "agent_pid": None}),
                   act(Kind.JOURNAL, event="agent-failed", fields={"exit_code": snap.agent_exit})],
             f"the agent exited with code {snap.agent_exit} (failure {count} of "
             f"{policy.crash_loop_failures}); restarting it in {delay:.1f} s")
+
+
+def _count_failure(mem: Memory, failures: tuple[float, ...], now: float) -> Memory:
+    """One more failure; only a step past today's highest clears the count again."""
+    return replace(mem, failures=(*failures, now), failed_at_mark=mem.high_water)
 
 
 def _recent(times: tuple[float, ...], now: float, policy: Policy) -> tuple[float, ...]:
@@ -781,6 +794,21 @@ def hang_bound(policy: Policy, intervals: tuple[float, ...]) -> float:
     return max(policy.hang_floor_s, policy.hang_factor * statistics.median(intervals))
 
 
+def _diverged(snap: Snapshot, mem: Memory, policy: Policy):
+    """The workers stopped on a loss that stayed non-finite (``trainer.divergence``):
+    restarting them would resume the last checkpoint and diverge again, so the node is
+    marked failed at once, saying why and what to change."""
+    if mem.phase is not Phase.RUNNING or snap.progress_event != "diverged":
+        return None
+    reason = (f"training diverged at step {snap.step} (the agreed loss stayed non-finite); a "
+              "restart would resume the last checkpoint and diverge again, so this node is "
+              "marked failed: lower the learning rate ([lr] rule / base_world_size, or the "
+              "script's), then start the job again")
+    mem, actions, reason = _mark_failed(mem, reason)
+    return mem, [act(Kind.JOURNAL, event="training-diverged", fields={"step": snap.step}),
+                 *actions], reason
+
+
 def _hang(snap: Snapshot, mem: Memory, policy: Policy):
     if mem.phase is not Phase.RUNNING or not snap.workers or mem.step_at is None:
         return None
@@ -818,10 +846,10 @@ def _start(snap: Snapshot, mem: Memory, policy: Policy):
     actions = [act(Kind.START_AGENT)]
     if not mem.ready_sent:
         actions.append(act(Kind.NOTIFY, what="ready"))
-    mem = replace(mem, phase=Phase.RUNNING, step_at_start=snap.step, exit_handled=False,
+    mem = replace(mem, phase=Phase.RUNNING, exit_handled=False,
                   workers=frozenset(), step_at=None, ready_sent=True)
     return mem, actions, f"{verb} the torchrun agent"
 
 
-_RULES: tuple[Rule, ...] = (_hard_stop, _drain, _agent_exited, _job_completed, _reopen, _dead_peers,
-                            _hang, _worker_crash_loop, _start)
+_RULES: tuple[Rule, ...] = (_hard_stop, _drain, _agent_exited, _job_completed, _reopen, _diverged,
+                            _dead_peers, _hang, _worker_crash_loop, _start)

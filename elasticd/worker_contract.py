@@ -136,6 +136,9 @@ class WorkerSettings:
         default=DEFAULT_RECOVERY_BOUND_S, check=_positive_finite, expected="a number > 0")
     generation_file: str | None = setting(
         str, "the daemon's generation record for these workers (in-place re-forms)")
+    nonfinite_loss_limit: int = setting(
+        int, "agreed non-finite losses in a row after which the workers exit as diverged (0: never)",
+        default=3, check=_non_negative, expected="an integer >= 0")
 
     def __post_init__(self) -> None:
         for f in FIELDS:

@@ -41,8 +41,15 @@ import torch
 from checkpointing.errors import StaleGenerationError, StorageFullError
 from trainer import dist as tdist
 from trainer.context import ElasticContext
-from trainer.errors import ConfigError
-from trainer.exitcodes import COMPLETE_EXIT_CODE, FAILURE_EXIT_CODE, STOP_EXIT_CODE, exit_worker
+from trainer.divergence import DivergenceCheck
+from trainer.errors import ConfigError, TrainingDiverged
+from trainer.exitcodes import (
+    COMPLETE_EXIT_CODE,
+    DIVERGED_EXIT_CODE,
+    FAILURE_EXIT_CODE,
+    STOP_EXIT_CODE,
+    exit_worker,
+)
 from trainer.logs import configure_logging
 from trainer.lr import LRScale, Schedule, start_scale
 from trainer.progress import ProgressReporter
@@ -130,6 +137,7 @@ class ElasticState:
         self.reported_step = -1
         self.loss: float | None = None  # the global mean loss of step ``loss_step``
         self.loss_step: int | None = None  # (the last agreed: see dist.Agreement)
+        self.divergence = DivergenceCheck(self.ctx.nonfinite_loss_limit)
         self._updates_at_done = 0
         self._last_save = time.monotonic()
         self._closed = False
@@ -319,7 +327,9 @@ class ElasticState:
     # -- checkpoints and endings ---------------------------------------------------------
 
     def periodic_checkpoint(self) -> bool:
-        if self.checkpoints is None or not self.ctx.is_rank0:
+        if self.checkpoints is None or not self.ctx.is_rank0 or self.divergence.count:
+            # (While the agreed loss is not finite no checkpoint is taken: a later resume
+            # would load the diverged weights.)
             return False
         due = checkpoint_due(self.state.step, time.monotonic() - self._last_save,
                              self.ctx.checkpoint_every_steps, self.ctx.checkpoint_every_s)
@@ -399,16 +409,28 @@ class ElasticState:
     def _take(self, agreed: tdist.Agreed | None) -> None:
         if agreed is not None and agreed.loss is not None:
             self.loss, self.loss_step = agreed.loss, agreed.step
+            try:
+                self.divergence.observe(agreed.loss, agreed.step)
+            except TrainingDiverged as exc:
+                # Every rank agreed this loss: all stop here, none commits (see fail()).
+                self.report("diverged", reason=str(exc)[:500])
+                raise
 
     def fail(self, exc: BaseException) -> int:
         """The exit code for an exception that ends the worker, after what can be saved.
 
         A peer's failure: rank 0 commits the last completed step if the model has not
         been stepped since (an optimizer step after ``step_done`` would make the saved
-        step lie about the weights). A newer world owning the checkpoints: nothing.
+        step lie about the weights). A newer world owning the checkpoints, or a diverged
+        loss: nothing.
         """
         if isinstance(exc, StaleGenerationError):
             return self.on_stale(exc)
+        if isinstance(exc, TrainingDiverged):
+            # Nothing is committed: the weights are those of the diverged steps.
+            log.error("training diverged; exiting without committing", step=self.state.step,
+                      error=str(exc), exit_code=DIVERGED_EXIT_CODE)
+            return DIVERGED_EXIT_CODE
         collective = tdist.is_collective_failure(exc)
         log.error("collective failed; exiting for a restart" if collective else
                   "the training loop raised; exiting", step=self.state.step, error=str(exc)[:500])

@@ -19,3 +19,9 @@ class ConfigError(TrainerError):
 
 class CheckpointMismatch(TrainerError):
     """A checkpoint does not fit the job being resumed (dataset size, agreed step)."""
+
+
+class TrainingDiverged(TrainerError):
+    """The agreed loss stayed non-finite: the model diverged. A restart from the last
+    checkpoint would replay the same data on the same weights, so the worker exits
+    with ``DIVERGED_EXIT_CODE`` and commits nothing of the diverged state."""

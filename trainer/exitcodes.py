@@ -6,6 +6,10 @@
   file) after rank 0 committed a checkpoint of the agreed step; resume later.
 * ``FAILURE_EXIT_CODE`` (1): a peer or collective failed; restart from the newest
   checkpoint (rank 0 tries to commit the last completed step on the way out).
+* ``DIVERGED_EXIT_CODE`` (65, EX_DATAERR): the agreed loss was non-finite
+  ``nonfinite_loss_limit`` times in a row; nothing of the diverged state is committed
+  and the daemon marks the node failed instead of restarting (a restart from the last
+  checkpoint would diverge again).
 * ``ORPHAN_EXIT_CODE`` (70): the orphan watchdog ended a worker whose torchrun agent
   or daemon died.
 """
@@ -19,6 +23,7 @@ COMPLETE_EXIT_CODE = 0
 STOP_EXIT_CODE = 75
 FAILURE_EXIT_CODE = 1
 ORPHAN_EXIT_CODE = 70
+DIVERGED_EXIT_CODE = 65
 
 
 def exit_worker(code: int) -> NoReturn:

@@ -43,7 +43,7 @@ from trainer import dist as tdist
 from trainer.batching import BatchPlan, micro_batches, plan_batches, shard
 from trainer.context import ElasticContext
 from trainer.elastic import ElasticState, checkpoint_due
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, TrainingDiverged
 from trainer.exitcodes import FAILURE_EXIT_CODE, STOP_EXIT_CODE
 from trainer.lr import Schedule
 from trainer.recover import InPlace
@@ -176,8 +176,8 @@ class ElasticTrainer:
             code = self._train_recovering()
         except tdist.CollectiveError as exc:
             code = self._on_failure(exc)
-        except StaleGenerationError as exc:
-            code = self.es.on_stale(exc)
+        except (StaleGenerationError, TrainingDiverged) as exc:
+            code = self.es.fail(exc)
         finally:
             if self._close() is not None and code != FAILURE_EXIT_CODE:
                 code = FAILURE_EXIT_CODE  # its last save was refused: not a clean end

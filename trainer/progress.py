@@ -27,7 +27,8 @@ log = structlog.get_logger(__name__)
 # second and the first step after each event, not a rewrite per step.
 FILE_INTERVAL_S = 0.25
 
-EVENTS = ("step", "resumed", "checkpoint", "stopped", "completed", "reformed", "reform-failed")
+EVENTS = ("step", "resumed", "checkpoint", "stopped", "completed", "reformed", "reform-failed",
+          "diverged")
 
 
 def write_atomic(path: str, text: str) -> None:

@@ -127,11 +127,44 @@ def test_worker_crashes_below_the_budget_are_tolerated():
     assert d(live(), replace(RUNNING, failures=(980.0, 990.0))).phase is Phase.RUNNING
 
 
-def test_progress_past_the_start_step_clears_the_crash_count():
-    mem = replace(RUNNING, failures=(990.0,), step_at_start=10, step=10)
+def test_progress_past_the_last_failures_high_water_mark_clears_the_crash_count():
+    mem = replace(RUNNING, failures=(990.0,), high_water=10, failed_at_mark=10, step=10)
     out = d(live(step=11), mem)
     assert out.memory.failures == () and "crash count is reset" in out.reason
+    assert out.memory.high_water == 11
     assert d(live(step=10), replace(mem, step=9)).memory.failures == (990.0,)
+
+
+def test_steps_redone_after_a_resume_do_not_clear_the_crash_count():
+    # A restart resumed the checkpoint of step 1100 after a failure at 1240: steps up
+    # to 1240 are redone ground, not progress (the goodput run's diverging job cleared
+    # its count on every resume and restarted 18 times).
+    mem = replace(RUNNING, failures=(990.0,), high_water=1240, failed_at_mark=1240, step=1100)
+    out = d(live(step=1230), mem)
+    assert out.memory.failures == (990.0,) and "reset" not in out.reason
+    assert out.memory.high_water == 1240
+
+
+def test_a_crash_loop_at_the_same_step_ends_in_failed():
+    """Fail at step 40, resume from 20, step to 40, fail again: the budget's last marks FAILED."""
+    budget, now = POLICY.crash_loop_failures, T
+    started = d(snap(step=0), Memory())   # the agent starts at step 0 ...
+    assert started.kinds()[0] is Kind.START_AGENT
+    mem = d(live(step=0), started.memory).memory
+    for step in (20, 40):                 # ... and its first workers reach step 40
+        mem = d(live(step=step), mem).memory
+    for count in range(1, budget + 1):
+        out = d(live(now=now, step=20, workers=frozenset({100 + count})), mem)
+        mem = out.memory
+        assert len(mem.failures) == count and mem.failed_at_mark == 40
+        if count == budget:
+            break
+        for step in (30, 40):
+            now += 1.0
+            mem = d(live(now=now, step=step, workers=frozenset({100 + count})), mem).memory
+        now += 1.0
+    assert out.phase is Phase.FAILED, out.reason
+    assert f"crashed {budget} times without progress" in out.reason
 
 
 # -- worker restarts and their cause ------------------------------------------------------
@@ -680,3 +713,18 @@ def test_our_world_is_published_when_it_changes():
     assert out.actions[0]["fields"] == {"world": {"generation": {"round": 3, "seq": 0, "epoch": "ep"},
                                                   "first_rank": 0, "nproc": 2, "world_size": 4}}
     assert d(live(world=view), out.memory).actions == ()
+
+
+# -- divergence ---------------------------------------------------------------------------
+
+def test_a_diverged_loss_marks_the_node_failed_at_once():
+    out = d(live(step=1240, progress_event="diverged"))
+    assert out.phase is Phase.FAILED
+    assert "training diverged at step 1240" in out.reason and "lower the learning rate" in out.reason
+    events = [a["event"] for a in out.actions if a.kind is Kind.JOURNAL]
+    assert events == ["training-diverged", "node-failed"]
+
+
+def test_a_diverged_event_while_draining_is_left_to_the_drain():
+    draining = replace(RUNNING, phase=Phase.DRAINING, drain_reason="a drain request")
+    assert d(live(step=10, progress_event="diverged"), draining).phase is Phase.DRAINING

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import signal
 
 from checkpointing import CheckpointManager
 from tests.trainer.launch import Launch, wait_gone
-from trainer.exitcodes import FAILURE_EXIT_CODE, STOP_EXIT_CODE
+from trainer.exitcodes import DIVERGED_EXIT_CODE, FAILURE_EXIT_CODE, STOP_EXIT_CODE
 
 
 def _args(ckpt, *extra: str) -> list[str]:
@@ -58,3 +59,20 @@ def test_sigkilled_agent_leaves_no_workers(tmp_path):
         assert wait_gone(workers, 3.0) < 2.0  # the watchdog polls every 0.25 s
     finally:
         launch.kill()
+
+
+def test_a_diverging_loss_stops_every_worker_without_committing_it(tmp_path):
+    """An LR of 1e6 sends the loss to inf/NaN within a few steps: after 3 agreed
+    non-finite losses every worker reports ``diverged`` and exits 65, and no checkpoint
+    is started once a non-finite loss was agreed (a resume would load diverged weights)."""
+    ckpt = tmp_path / "ckpt"
+    launch = Launch(tmp_path, "diverge", 2, _args(ckpt, "--lr=1e6", "--checkpoint-every-steps=1"))
+    assert launch.run(90) != 0
+    events = launch.events()
+    assert {e["exit_code"] for e in launch.exits().values()} == {DIVERGED_EXIT_CODE}
+    assert events[-1]["event"] == "diverged" and "lower the" in events[-1]["reason"]
+    first_bad = next(i for i, e in enumerate(events)
+                     if e.get("loss") is not None and not math.isfinite(e["loss"]))
+    assert [e["step"] for e in events[first_bad:] if e["event"] == "checkpoint"] == []
+    latest = CheckpointManager(ckpt, read_only=True).latest_step()
+    assert latest is not None and latest < events[first_bad]["step"]
