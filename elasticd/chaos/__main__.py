@@ -21,6 +21,7 @@ from elasticd.chaos.invariants import check_all
 from elasticd.chaos.report import write
 from elasticd.chaos.run import run_scenario
 from elasticd.chaos.scenario import Scenario, ScenarioError, draw, load
+from elasticd.rendezvous.keys import ROUNDS
 
 
 def parser() -> argparse.ArgumentParser:
@@ -35,6 +36,8 @@ def parser() -> argparse.ArgumentParser:
                    "and the network faults, which need root and iptables and run in a "
                    "scenario of their own: name them here)")
     p.add_argument("--nodes", type=int, default=3)
+    p.add_argument("--rounds", choices=ROUNDS, default="torch",
+                   help="the daemons' rendezvous layout ([rendezvous] rounds)")
     p.add_argument("--spacing", type=int, default=60, help="steps between drawn faults")
     p.add_argument("--final-step", type=int, default=None,
                    help="the job's last step for a drawn scenario (default: 150 past the last fault; "
@@ -49,7 +52,9 @@ def scenario_of(args: argparse.Namespace) -> Scenario:
     if args.scenario is not None:
         return load(args.scenario)
     kinds = [k.strip() for k in args.faults.split(",") if k.strip()]
-    extra = {} if args.final_step is None else {"final_step": args.final_step}
+    extra: dict[str, object] = {"rounds": args.rounds}
+    if args.final_step is not None:
+        extra["final_step"] = args.final_step
     return draw(args.seed, kinds, nodes=args.nodes, spacing=args.spacing, **extra)
 
 

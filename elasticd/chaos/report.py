@@ -53,7 +53,8 @@ def to_markdown(report: dict[str, Any]) -> str:
     sc = report["scenario"]
     verdict = "PASSED" if report["passed"] else "FAILED"
     lines = [f"# Chaos run: {verdict}", "",
-             f"{sc['nodes']} nodes, {_members(sc)}, {len(sc['faults'])} faults, job of "
+             f"{sc['nodes']} nodes, {_members(sc)}, rendezvous rounds "
+             f"`{sc.get('rounds', 'torch')}`, {len(sc['faults'])} faults, job of "
              f"{sc['final_step']} steps (checkpoint every {sc['every_steps']}), seed {report['seed']}, "
              f"{report['duration_s']} s; etcd: `{report.get('etcd') or '?'}`.", "",
              f"Replay: `{report['replay']}`", "",

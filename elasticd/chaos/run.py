@@ -278,10 +278,12 @@ def metadata_servers(sc: Scenario) -> Iterator[dict[str, FakeMetadata]]:
         yield {name: stack.enter_context(FakeMetadata()) for name in sc.node_names()} if needed else {}
 
 
-def _preemption_section(server: FakeMetadata | None) -> str:
-    if server is None:
-        return ""
-    return f'[preemption]\ngce = true\nmetadata_url = "{server.url}"\npoll_interval_s = 0.2\n'
+def _sections(sc: Scenario, server: FakeMetadata | None) -> str:
+    """The node's extra config sections: its rendezvous layout, a preemption notice's server."""
+    out = f'[rendezvous]\nrounds = "{sc.rounds}"\n'
+    if server is not None:
+        out += f'[preemption]\ngce = true\nmetadata_url = "{server.url}"\npoll_interval_s = 0.2\n'
+    return out
 
 
 def _start_nodes(cluster: Cluster, sc: Scenario, job: str, run: Run,
@@ -290,7 +292,7 @@ def _start_nodes(cluster: Cluster, sc: Scenario, job: str, run: Run,
     # runner waits for the first world of N before any fault.
     return [cluster.daemon(name, job, entrypoint=entrypoint(sc, run), every_steps=sc.every_steps,
                            min_nodes=max(1, sc.nodes - 1), max_nodes=sc.nodes,
-                           lease_ttl_s=LEASE_TTL_S, sections=_preemption_section(metadata.get(name)))
+                           lease_ttl_s=LEASE_TTL_S, sections=_sections(sc, metadata.get(name)))
             for name in sc.node_names()]
 
 

@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elasticd.rendezvous.keys import ROUNDS
+
 TARGETS = ("rank0", "other", "any")
 MAX_NODES = 8
 
@@ -60,6 +62,7 @@ class Scenario:
     step_sleep: float = 0.1
     etcd_members: int = 1          # 1, or 3 (EmbeddedEtcdCluster) for leader and quorum faults
     name: str = field(default="")
+    rounds: str = "torch"          # [rendezvous] rounds of the daemons: torch | keyed
 
     def node_names(self) -> list[str]:
         return list(string.ascii_lowercase[: self.nodes])
@@ -128,7 +131,7 @@ def from_dict(raw: dict[str, Any], kinds: Sequence[str] | None = None, name: str
     """Validate a parsed scenario file; ``ScenarioError`` says what is wrong and where."""
     kinds = kinds or _kinds()
     unknown = set(raw) - {"seed", "nodes", "final_step", "every_steps", "step_sleep",
-                          "etcd_members", "fault", "faults", "name"}
+                          "etcd_members", "fault", "faults", "name", "rounds"}
     if unknown:
         raise ScenarioError(f"unknown key(s) {sorted(unknown)}")
     seed = _int(raw, "seed", 0, 0)
@@ -138,6 +141,10 @@ def from_dict(raw: dict[str, Any], kinds: Sequence[str] | None = None, name: str
     sleep = raw.get("step_sleep", 0.1)
     if not isinstance(sleep, (int, float)) or isinstance(sleep, bool) or not 0 <= sleep <= 5:
         raise ScenarioError(f"step_sleep = {sleep!r}: seconds in 0..5")
+    rounds = raw.get("rounds", "torch")
+    if rounds not in ROUNDS:
+        raise ScenarioError(f"rounds = {rounds!r}: one of {', '.join(ROUNDS)} (the daemons' "
+                            "[rendezvous] rounds)")
     items = raw.get("fault", raw.get("faults", []))
     if not isinstance(items, list) or not items:
         raise ScenarioError("no faults: give at least one [[fault]] table")
@@ -164,7 +171,7 @@ def from_dict(raw: dict[str, Any], kinds: Sequence[str] | None = None, name: str
         raise ScenarioError(f"fault #{i + 1}: {f.kind} at step {f.at_step} is not before "
                             f"final_step {final_step}: it would never fire")
     return Scenario(seed, faults, nodes, final_step, every, float(sleep), members,
-                    str(raw.get("name", name)))
+                    str(raw.get("name", name)), rounds)
 
 
 def load(path: Path, kinds: Sequence[str] | None = None) -> Scenario:

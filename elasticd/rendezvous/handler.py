@@ -55,7 +55,7 @@ from elasticd.etcd_client import EtcdClient, EtcdSettings, no_retry
 from elasticd.lease import LeaseKeeper
 from elasticd.rendezvous.backend import EtcdV3RendezvousBackend
 from elasticd.rendezvous.keyed import KeyedRendezvousHandler
-from elasticd.rendezvous.keys import DEFAULT_ROOT, JobKeys
+from elasticd.rendezvous.keys import DEFAULT_ROOT, ROUNDS, JobKeys
 from elasticd.rendezvous.rounds import Rules
 from elasticd.rendezvous.store import EtcdV3Store
 from elasticd.rendezvous.torch_compat import check_torch_apis
@@ -80,8 +80,6 @@ _STDIN_MAX_BYTES = 64 * 1024
 # fd 0 can be read once per process: a second handler in the same agent reuses the line.
 _stdin_credentials: tuple[str, str] | None = None
 
-
-ROUNDS = ("torch", "keyed")
 
 
 @dataclass(frozen=True)

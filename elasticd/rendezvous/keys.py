@@ -23,6 +23,10 @@ from dataclasses import dataclass
 
 from elasticd.errors import ConfigError
 
+# The rendezvous layouts: torch's dynamic rendezvous on one shared state, or keyed
+# rounds (rendezvous/keyed.py). ``--rdzv-conf rounds=`` and ``[rendezvous] rounds``.
+ROUNDS = ("torch", "keyed")
+
 DEFAULT_ROOT = "/elasticd"
 _JOB_ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 
