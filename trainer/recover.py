@@ -116,17 +116,24 @@ class InPlace:
         es, ctx = self.es, self.es.ctx
         assert ctx.generation_file is not None and ctx.generation_id is not None
         record = inplace.GenerationWatch(ctx.generation_file, ctx.generation_id).wait(deadline)
-        rank = record.rank_of(ctx.node_id or "", ctx.local_rank)
-        if rank is None:
-            raise inplace.ReformError(
-                f"generation {record.id} does not name node {ctx.node_id} (local rank "
-                f"{ctx.local_rank}): this worker was fenced out")
+        rank = self._rank_in(record)
         tdist.install_guard(None)
         tdist.retain(ddp)
         assert es.agreement is not None
         es.agreement.discard()  # the old group's; stop requests are re-sent (sticky)
         inplace.abandon_group(tdist.RETAINED, self.backend, left())
-        inplace.join_group(record, rank, self.backend, es.device, self.timeout, left())
+        while True:
+            watch = inplace.GenerationWatch(ctx.generation_file, record.id)
+            try:
+                inplace.join_group(record, rank, self.backend, es.device, self.timeout, left(),
+                                   newer=watch.newer)
+                break
+            except inplace.Superseded as exc:
+                log.warning(f"generation {exc.record.id} was agreed while joining {record.id} "
+                            "(a member never came); joining it instead",
+                            lost=list(exc.record.lost))
+                record = exc.record
+                rank = self._rank_in(record)
         inplace.bounded(self._sync_state, left(), "agreeing on the newest state")
         if es.state.step > es.reported_step:
             # A step whose all-reduce completed here (or on the holder) but whose boundary
@@ -136,6 +143,15 @@ class InPlace:
         es.rescale(es.state.scale)
         self.install_guard()
         return record, self.wrap(es.state.model, reformed=True)
+
+    def _rank_in(self, record: GenerationRecord) -> int:
+        ctx = self.es.ctx
+        rank = record.rank_of(ctx.node_id or "", ctx.local_rank)
+        if rank is None:
+            raise inplace.ReformError(
+                f"generation {record.id} does not name node {ctx.node_id} (local rank "
+                f"{ctx.local_rank}): this worker was fenced out")
+        return rank
 
     def _adopt(self, record: GenerationRecord, rank: int) -> None:
         """This worker's place in the new generation: rank, world, writer role, and the
