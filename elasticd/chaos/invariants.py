@@ -106,9 +106,16 @@ def _label(f: FaultRecord) -> str:
 
 
 def rank0_records(progress: dict[str, list[dict]]) -> list[dict]:
-    """The progress records written by rank 0 (whichever node held it), in time order."""
-    return sorted((r for recs in progress.values() for r in recs if r.get("rank") == 0),
-                  key=lambda r: r["time"])
+    """The progress records written by rank 0 (whichever node held it), in time order,
+    without the ghost steps of a cut-off world (``stale_world_steps``): a frozen rank 0
+    that wakes up may complete one more step in its old generation after the survivors'
+    newer one completed it (from messages sent before they re-formed without it). That
+    step is not the job's (no-stale-commit shows it committed nothing); taken as the
+    step's record it made the replay use the old world's size for it (found on keyed
+    rounds: the oracle left the loss at the ghost step 968)."""
+    ghosts = {id(record) for record, _, _ in stale_world_steps(progress)}
+    return sorted((r for recs in progress.values() for r in recs
+                   if r.get("rank") == 0 and id(r) not in ghosts), key=lambda r: r["time"])
 
 
 def _steps(records: Iterable[dict]) -> list[dict]:

@@ -105,6 +105,24 @@ def test_the_oracle_passes_on_a_faithful_history(tmp_path):
     assert all(c.passed for c in checks), [c for c in checks if not c.passed]
 
 
+def test_a_ghost_step_of_a_cut_off_rank0_is_not_the_jobs_history(tmp_path):
+    """A frozen rank 0 wakes and completes step 31 in its old world (3) after the
+    survivors' new generation completed step 31 at 2: its record is later in time but
+    not the job's; the oracle and exactly-once hold, no-stale-commit names the ghost
+    (found on keyed rounds: the ghost made the replay use world 3 for its step)."""
+    records = _records()
+    for r in records:
+        r["generation"] = {"round": 1, "seq": 0 if r["step"] <= 30 else 1, "epoch": "e"}
+    _save_final(tmp_path / "ckpt", records)
+    ghost = {**records[30], "world_size": 3, "lr": _lr(30), "time": records[30]["time"] + 0.05,
+             "generation": {"round": 1, "seq": 0, "epoch": "e"}}
+    records.insert(31, ghost)
+    checks, _ = inv.check_all(_result(tmp_path, records, [_fault(0, "node-stop", records[29]["time"])]))
+    assert all(c.passed for c in checks), [c for c in checks if not c.passed]
+    (stale,) = [c for c in checks if c.name == "no-stale-commit"]
+    assert "1 ghost step(s)" in stale.detail and "step 31 in generation 1.0" in stale.detail
+
+
 @pytest.mark.parametrize("tamper", ["world", "lr"])
 def test_the_oracle_bites_on_a_history_the_run_did_not_follow(tmp_path, tamper):
     """One step logged with a world size it did not have (its samples: a third more, used
