@@ -48,6 +48,7 @@ from elasticd.rendezvous.rounds import (
     decode_pointer,
     encode_pointer,
     nodes_waiting,
+    staying_members,
 )
 
 T = TypeVar("T")
@@ -146,17 +147,21 @@ class KeyedRendezvousHandler(RendezvousHandler):
         now = self._clock()
         if now - self._waiting[0] < WAITING_CACHE_S:
             return self._waiting[1]
-        members = self.world.members
+        names = [m.name for m in self.world.members]
+        following = self._keys.rdzv_joins(self.world.round + 1)
         try:
             with no_retry():
-                joins = self._client.count_prefix(self._keys.rdzv_joins(self.world.round + 1))
-                live = len(members)
+                joins = self._client.count_prefix(following)
+                live = len(names)
                 if joins and live >= self._rules.max_nodes:
                     # A full world turns newcomers away, unless members died since it formed
-                    # (an in-place shrink keeps this world): count the live ones.
-                    found, _ = self._client.get_many(
-                        [self._keys.rdzv_alive + m.name for m in members])
-                    live = len(found)
+                    # (an in-place shrink keeps this world) or already wait in the next
+                    # round: count the ones still in it.
+                    alive = self._keys.rdzv_alive
+                    found, _ = self._client.get_many([alive + n for n in names]
+                                                     + [following + n for n in names])
+                    live = staying_members(names, {n for n in names if alive + n in found},
+                                           {n for n in names if following + n in found})
         except EtcdError as exc:
             log.debug("etcd unreachable; assuming no node is waiting", reason=str(exc))
             return 0

@@ -30,6 +30,7 @@ participants when it completes a round.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,3 +205,14 @@ def nodes_waiting(live_members: int, next_joins: int, rules: Rules) -> int:
     members: the joins to the next round, unless the world is full (torch's redundancy
     list waits silently)."""
     return 0 if live_members >= rules.max_nodes else next_joins
+
+
+def staying_members(members: Iterable[str], alive: Set[str], joined_next: Set[str]) -> int:
+    """Members of a world still in it: alive, and not already waiting in the next round.
+
+    A member that rejoins the next round has left its world, though its liveness key is
+    alive again (seen on the chaos matrix: a node frozen past its lease woke up, found the
+    world re-formed in place without it and rejoined; counted as a live member of the full
+    world, its join was "a spare" to the others, while its round waited for them: the
+    world never grew back)."""
+    return sum(1 for m in members if m in alive and m not in joined_next)

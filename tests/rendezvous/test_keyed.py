@@ -191,3 +191,20 @@ def test_a_join_on_an_expired_liveness_lease_renews_it_instead_of_failing(make, 
     info = handler.next_rendezvous()
     assert info.world_size == 1
     assert client.get(keys.rdzv_alive + handler.agent.name) is not None
+
+
+def test_a_member_that_rejoins_the_next_round_has_left_the_full_world(make, client, job_id):
+    # Seen on the chaos matrix (keyed rounds, node-stop): a frozen member outlived its
+    # lease, was shrunk out in place, woke, renewed its liveness key and joined the next
+    # round; the others counted it as a live member of their full world (no one waiting),
+    # its round waited for them: the world of 3 never came back.
+    members = [make(i, max_nodes=3) for i in range(3)]
+    rendezvous_all(members)
+    returning = members[2]
+    pending = ThreadPoolExecutor(1).submit(returning.next_rendezvous)   # alive, rejoining
+    deadline = time.monotonic() + 10
+    while members[0].num_nodes_waiting() == 0:
+        assert time.monotonic() < deadline, "a member waiting in the next round was not seen"
+        time.sleep(0.2)
+    infos = rendezvous_all(members[:2]) + [pending.result(timeout=30)]
+    assert {i.world_size for i in infos} == {3} and members[0].world.round == 1

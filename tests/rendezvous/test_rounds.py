@@ -101,3 +101,13 @@ def test_a_corrupt_pointer_names_the_key():
 def test_rules_refuse_bad_bounds():
     with pytest.raises(ValueError, match="min <= max"):
         Rules(3, 2, 1.0)
+
+
+def test_staying_members_are_alive_and_not_waiting_in_the_next_round():
+    from elasticd.rendezvous.rounds import staying_members
+
+    names = ["a", "b", "c"]
+    assert staying_members(names, {"a", "b", "c"}, set()) == 3
+    assert staying_members(names, {"a", "b"}, set()) == 2          # c died
+    assert staying_members(names, {"a", "b", "c"}, {"c"}) == 2     # c rejoined: it left
+    assert staying_members(names, {"a", "b", "c"}, {"d"}) == 3     # a newcomer is not a member
