@@ -642,8 +642,8 @@ def plot(cells: list[dict], prefix: Path) -> list[str]:
             ax.axhline(5.0, color="grey", ls="--", lw=0.8, label="target 256: 5 s")
         if key == "reform_s":
             ax.axhline(3.0, color="grey", ls="--", lw=0.8, label="target 256: 3 s")
-        if key == "probes_steady":
-            ax.set_ylim(0, max(values, default=1) * 1.25)   # flat, not a zoomed-in wiggle
+        if ax.get_yscale() == "linear":
+            ax.set_ylim(0, max(values, default=1) * 1.25)   # from 0: not a zoomed-in wiggle
         ax.set_xlabel("simulated nodes N")
         ax.set_ylabel(unit)
         ax.set_title(title, fontsize=10)
