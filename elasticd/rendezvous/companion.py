@@ -319,14 +319,16 @@ class _Round:
     def _run(self) -> None:
         next_list = 0.0
         while not self._stop.wait(PROBE_INTERVAL_S):
+            now = time.monotonic()
+            list_now = now >= next_list
+            if list_now:
+                next_list = now + LIST_INTERVAL_S
             try:
-                self._tick(time.monotonic() >= next_list)
+                self._tick(list_now)
             except EtcdError as exc:
                 log.debug("recovery companion: etcd call failed; retried", reason=str(exc))
             except Exception as exc:  # noqa: BLE001 - the companion must never kill the agent
                 log.warning("recovery companion error; retried", error=repr(exc)[:300])
-            if time.monotonic() >= next_list:
-                next_list = time.monotonic() + LIST_INTERVAL_S
 
     def _tick(self, list_now: bool) -> None:
         progress = self.progress.read()
