@@ -449,8 +449,11 @@ class _Round:
         base = workers_generation(mine, self.adopted)
         if base is not None and record.id.newer_than(base):
             self._hand_over(record)
-            log.info(f"generation {record.id} was agreed without {', '.join(record.lost)}; "
-                     "handed to the workers", round=self.round)
+            log.info(f"lost {', '.join(record.lost)} ({record.cause}): generation {record.id} "
+                     f"agreed in place by another survivor, {len(record.nodes)} nodes; handed "
+                     "to the workers", event_kind="recovery", round=self.round,
+                     lost=list(record.lost), generation=str(record.id), wrote=False,
+                     status="ok" if record.member(self.me) else "fenced")
 
     def _hand_over(self, record: GenerationRecord) -> None:
         generation.write_file(str(self.owner.generation_file), record)

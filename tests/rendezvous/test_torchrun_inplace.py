@@ -70,8 +70,10 @@ def _reformed_in_place(survivors: list[TorchrunNode], victim: TorchrunNode, sinc
         assert reformed[0]["lost"] == [lost]
         assert not [r for r in records if r["event"] == "resumed" and r["time"] > since], \
             "a survivor's workers were restarted"
-        sentences = [e["event"] for e in node.log_events()]
-        assert len([s for s in sentences if s.startswith(f"lost {lost}")]) == 1, sentences[-30:]
+        # The agent's one sentence (its log is torchrun's console output, not JSON lines).
+        sentences = [line for line in node.log_path.read_text().splitlines()
+                     if f"] lost {lost} (peer-crashed): generation" in line]
+        assert len(sentences) == 1, node.log_tail()
         took.append(reformed[0]["duration_s"])
     return took
 
