@@ -80,6 +80,8 @@ LIST_INTERVAL_S = 1.0
 ETCD_DEADLINE_S = 1.0
 SHRINK_BUDGET_S = 1.0
 NEIGHBOURS = 2
+# The per-agent directory in the temporary directory: <prefix><pid>-<random>.
+DIR_PREFIX = "elasticd-agent-"
 # Progress events after which the local workers are no longer in their group.
 _FINISHED = ("completed", "stopped", "reform-failed")
 
@@ -176,6 +178,26 @@ def workers_generation(reported: GenerationId | None,
     return reported
 
 
+def remove_stale_dirs(root: Path) -> list[Path]:
+    """Remove the directories of agents that died without cleaning up (a SIGKILL):
+    ``<DIR_PREFIX><pid>-*`` whose pid is gone. A live pid (even a reused one) is spared."""
+    removed = []
+    for path in root.glob(f"{DIR_PREFIX}*-*"):
+        pid = path.name[len(DIR_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or not path.is_dir() or path.is_symlink():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 # -- the executor ----------------------------------------------------------------------------
 
 class RecoveryCompanion:
@@ -204,7 +226,8 @@ class RecoveryCompanion:
         """Host the probe and the store and take a lease; a failure disables the companion
         (logged: a lost peer then takes the restart path)."""
         try:
-            self._dir = Path(tempfile.mkdtemp(prefix="elasticd-agent-"))
+            remove_stale_dirs(Path(tempfile.gettempdir()))
+            self._dir = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-"))
             atexit.register(self._remove_dir)
             self._probe = ProbeServer(self._addr).start()
             self._store.start()
@@ -350,9 +373,14 @@ class _Round:
                    and n in self.present]
         if refused:
             with no_retry(), deadline(ETCD_DEADLINE_S):
-                for node in refused:   # every survivor's listing sees the crash at once
-                    self.owner._client.delete(self.owner._keys.rdzv_recovery(self.round) + node)
-                self._list()
+                self._list()   # first the fresh records: a peer that completed says so
+                for node in refused:
+                    record = self.known.get(node)
+                    if node in self.present and record is not None and not record.done:
+                        # Every survivor's listing sees the crash at once.
+                        self.owner._client.delete(self.owner._keys.rdzv_recovery(self.round)
+                                                  + node)
+                        self.present.discard(node)
         loss = find_lost(self.me, self.known, self.present, self.answers, self._current(),
                          self.finished)
         if loss is not None and self._stop.is_set() is False:
