@@ -113,7 +113,7 @@ class GenerationRecord:
             expected += m.nproc
         nodes = [m.node for m in self.members]
         _require(len(set(nodes)) == len(nodes), "members", nodes, "distinct node ids")
-        _require(self.store is None or _is_endpoint(self.store), "store", self.store,
+        _require(self.store is None or is_endpoint(self.store), "store", self.store,
                  "HOST:PORT")
 
     @property
@@ -274,7 +274,8 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _is_endpoint(text: Any) -> bool:
+def is_endpoint(text: Any) -> bool:
+    """``text`` is ``HOST:PORT`` (a port 1-65535)."""
     if not isinstance(text, str) or ":" not in text:
         return False
     host, _, port = text.rpartition(":")

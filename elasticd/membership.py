@@ -33,7 +33,7 @@ import structlog
 
 from elasticd.errors import EtcdError
 from elasticd.etcd_client import EtcdClient, KeyValue, WatchEvent
-from elasticd.generation import GenerationRecordError, WorldView
+from elasticd.generation import GenerationRecordError, WorldView, is_endpoint
 from elasticd.lease import LeaseKeeper
 from elasticd.rendezvous.keys import JobKeys
 from elasticd.supervisor import PeerView
@@ -101,7 +101,7 @@ def _world(node_id: str, record: dict[str, Any]) -> WorldView | None:
 
 def _store(node_id: str, record: dict[str, Any]) -> str | None:
     store = record.get("store")
-    if store is None or (isinstance(store, str) and _is_endpoint(store)):
+    if store is None or (isinstance(store, str) and is_endpoint(store)):
         return store
     log.warning("ignoring a malformed store endpoint in a node record", key=f"nodes/{node_id}",
                 problem=f"store {store!r} is not HOST:PORT")
@@ -121,14 +121,9 @@ def _record_problem(record: Any) -> str | None:
         if name in record and not isinstance(record[name], str):
             return f"{name} {record[name]!r} is not a string"
     probe = record.get("probe")
-    if probe is not None and not _is_endpoint(probe):
+    if probe is not None and not is_endpoint(probe):
         return f"probe {probe!r} is not HOST:PORT"
     return None
-
-
-def _is_endpoint(text: str) -> bool:
-    host, sep, port = text.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
 class Membership:

@@ -47,9 +47,11 @@ KEEP_LAST_WHY = "so a crash during a save always leaves a valid older checkpoint
 KEEP_LAST_RULE = f"keep at least {MIN_KEEP_LAST} checkpoints, {KEEP_LAST_WHY}"
 
 # How workers recover from a lost peer. "in-place": survivors keep their processes and
-# re-form the group (needs the daemon's generation file); "restart": they exit and
-# torchrun starts new ones. The worker default is "restart" because a plain torchrun
-# run has no daemon to agree on the next generation; the daemon's default is in-place.
+# re-form the group (needs a generation file: the daemon's, or the etcd3 plugin's recovery
+# companion's with --rdzv-conf recovery=in-place); "restart": they exit and torchrun starts
+# new ones. The worker default is "restart" because plain torchrun (c10d, or the etcd3
+# plugin without recovery=in-place) has nothing to agree on the next generation; the
+# daemon's default is in-place.
 RECOVERY_MODES = ("in-place", "restart")
 DEFAULT_RECOVERY_BOUND_S = 5.0
 
@@ -135,7 +137,8 @@ class WorkerSettings:
         float, "longest an in-place re-form may take before the worker exits (the restart path)",
         default=DEFAULT_RECOVERY_BOUND_S, check=_positive_finite, expected="a number > 0")
     generation_file: str | None = setting(
-        str, "the daemon's generation record for these workers (in-place re-forms)")
+        str, "the generation record for these workers (in-place re-forms; the daemon's, or the "
+        "etcd3 plugin's with recovery=in-place)")
     nonfinite_loss_limit: int = setting(
         int, "agreed non-finite losses in a row after which the workers exit as diverged (0: never)",
         default=3, check=_non_negative, expected="an integer >= 0")

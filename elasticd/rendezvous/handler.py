@@ -16,6 +16,10 @@
                                 ELASTICD_ETCD_USER / ELASTICD_ETCD_PASSWORD
     join_timeout, last_call_timeout, close_timeout, heartbeat_timeout,
     keep_alive_interval, keep_alive_max_attempt    torch's dynamic rendezvous knobs
+    recovery=restart|in-place   after a lost peer agent: restart the workers (torch's way,
+                                the default), or let the survivors re-form their group in
+                                place (companion.py; needs the trainer library; each agent
+                                then listens on two more TCP ports)
 
 ``--rdzv-endpoint`` takes one or more ``HOST:PORT`` separated by commas.
 
@@ -32,6 +36,7 @@ import json
 import logging
 import os
 import select
+import socket
 import sys
 import threading
 import time
@@ -54,6 +59,7 @@ from elasticd.errors import ConfigError, EtcdError
 from elasticd.etcd_client import EtcdClient, EtcdSettings, no_retry
 from elasticd.lease import LeaseKeeper
 from elasticd.rendezvous.backend import EtcdV3RendezvousBackend
+from elasticd.rendezvous.companion import DEFAULT_RECOVERY, RECOVERY_MODES, RecoveryCompanion
 from elasticd.rendezvous.keyed import KeyedRendezvousHandler
 from elasticd.rendezvous.keys import DEFAULT_ROOT, ROUNDS, JobKeys
 from elasticd.rendezvous.rounds import Rules
@@ -65,8 +71,8 @@ log = structlog.get_logger(__name__)
 _SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _TIMEOUT_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout")
 _KEEP_ALIVE_KEYS = ("keep_alive_interval", "keep_alive_max_attempt")
-_OWN_KEYS = ("rounds", "key_prefix", "ttl", "read_timeout", "retry_timeout", "protocol", "ca_cert",
-             "ssl_cert", "ssl_cert_key", "user", "password")
+_OWN_KEYS = ("rounds", "recovery", "key_prefix", "ttl", "read_timeout", "retry_timeout",
+             "protocol", "ca_cert", "ssl_cert", "ssl_cert_key", "user", "password")
 # Keys torchrun itself puts into the config; not ours to judge.
 _TORCHRUN_KEYS = ("timeout", "rank", "is_host", "local_addr")
 KNOWN_KEYS = frozenset(_OWN_KEYS + _TIMEOUT_KEYS + _KEEP_ALIVE_KEYS + _TORCHRUN_KEYS)
@@ -88,6 +94,7 @@ class PluginConfig:
     keys: JobKeys
     ttl_s: int
     rounds: str = "torch"
+    recovery: str = DEFAULT_RECOVERY
 
 
 def parse_params(params: RendezvousParameters) -> PluginConfig:
@@ -119,7 +126,12 @@ def parse_params(params: RendezvousParameters) -> PluginConfig:
     if rounds not in ROUNDS:
         raise ConfigError(f"rdzv-conf rounds={rounds!r}: use torch (one shared state, the "
                           "default) or keyed (per-agent keys, for large jobs)")
-    return PluginConfig(settings, keys, _positive_int(params, "ttl", 7200), rounds)
+    recovery = (params.get("recovery") or DEFAULT_RECOVERY).strip().lower()
+    if recovery not in RECOVERY_MODES:
+        raise ConfigError(f"rdzv-conf recovery={recovery!r}: use restart (a lost peer restarts "
+                          "the workers, the default) or in-place (the survivors re-form their "
+                          "group without a restart; needs the trainer library)")
+    return PluginConfig(settings, keys, _positive_int(params, "ttl", 7200), rounds, recovery)
 
 
 def take_credentials() -> tuple[str | None, str | None]:
@@ -240,17 +252,24 @@ class EtcdV3RendezvousHandler(dyn.DynamicRendezvousHandler):
     goes on while etcd is down, and only membership changes wait for it.
     """
 
+    companion: RecoveryCompanion | None = None   # recovery=in-place (set by create_handler)
+
     @property
     def use_agent_store(self) -> bool:
         return False
 
     def next_rendezvous(self) -> RendezvousInfo:
+        if self.companion is not None:
+            self.companion.leave_round()
         with _woken_by(self):
             return self._next_rendezvous()
 
     def _next_rendezvous(self) -> RendezvousInfo:
         info = super().next_rendezvous()
-        export_generation(self._state_holder.state.round, info, self._store)
+        round_ = self._state_holder.state.round
+        export_generation(round_, info, self._store)
+        if self.companion is not None:
+            self.companion.on_world(round_, repr(self._this_node))
         return info
 
     def _backend_waits(self, timeout_s: float) -> None:
@@ -285,6 +304,8 @@ class EtcdV3RendezvousHandler(dyn.DynamicRendezvousHandler):
         other shutdown just leaves the rendezvous (stops heartbeats, drops this node
         from the round) and the job goes on without it.
         """
+        if self.companion is not None:
+            self.companion.stop(done=sys.exc_info()[1] is None)
         if sys.exc_info()[1] is None:
             return super().shutdown()
         self._stop_heartbeats()
@@ -378,21 +399,39 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
              prefix=config.keys.prefix, run_id=params.run_id, rounds=config.rounds)
     timeout = dyn.RendezvousTimeout(*(dyn._get_timeout(params, k.removesuffix("_timeout"))
                                       for k in _TIMEOUT_KEYS))
+    interval = _positive_int(params, "keep_alive_interval", 5)
+    attempts = _positive_int(params, "keep_alive_max_attempt", 3)
+    companion = _companion(config, client, params.local_addr, interval, attempts)
     if config.rounds == "keyed":
         return KeyedRendezvousHandler(
             params.run_id, client, config.keys, store, lease,
             Rules(params.min_nodes, params.max_nodes, timeout.last_call.total_seconds()),
             params.local_addr, join_timeout_s=timeout.join.total_seconds(),
-            keep_alive_interval_s=_positive_int(params, "keep_alive_interval", 5),
-            keep_alive_max_attempt=_positive_int(params, "keep_alive_max_attempt", 3),
-            on_world=lambda round_, info: export_generation(round_, info, store))
+            keep_alive_interval_s=interval, keep_alive_max_attempt=attempts,
+            on_world=lambda round_, info: export_generation(round_, info, store),
+            companion=companion)
     backend = EtcdV3RendezvousBackend(client, config.keys.rdzv_state, lease)
-    return EtcdV3RendezvousHandler.from_backend(
+    handler = EtcdV3RendezvousHandler.from_backend(
         params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr,
-        timeout,
-        keep_alive_interval=_positive_int(params, "keep_alive_interval", 5),
-        keep_alive_max_attempt=_positive_int(params, "keep_alive_max_attempt", 3),
+        timeout, keep_alive_interval=interval, keep_alive_max_attempt=attempts,
     )
+    handler.companion = companion
+    return handler
+
+
+def _companion(config: PluginConfig, client: EtcdClient, local_addr: str | None,
+               interval_s: int, attempts: int) -> RecoveryCompanion | None:
+    """The agent's in-place recovery companion with ``recovery=in-place``, else None."""
+    if config.recovery != "in-place":
+        return None
+    if os.environ.get("ELASTICD_DAEMON_PID"):
+        log.warning("rdzv-conf recovery=in-place is ignored under the elasticd daemon: the "
+                    "daemon agrees the generations itself ([recovery] mode)")
+        return None
+    # The address peers reach this agent at: torch's own choice for MASTER_ADDR.
+    addr = local_addr or socket.getfqdn()
+    return RecoveryCompanion(client, config.keys, addr, interval_s * attempts,
+                             interval_s).start()
 
 
 def _use_fresh_bootstrap_store() -> None:

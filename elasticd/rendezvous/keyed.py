@@ -37,6 +37,7 @@ from elasticd.errors import EtcdError
 from elasticd.etcd_client import EtcdClient, KeyValue, no_retry
 from elasticd.lease import LeaseKeeper
 from elasticd.rendezvous import BACKEND_NAME
+from elasticd.rendezvous.companion import RecoveryCompanion
 from elasticd.rendezvous.keys import JobKeys
 from elasticd.rendezvous.rounds import (
     Agent,
@@ -74,6 +75,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
                  run_lease: LeaseKeeper, rules: Rules, local_addr: str | None, *,
                  join_timeout_s: float, keep_alive_interval_s: int, keep_alive_max_attempt: int,
                  on_world: Callable[[int, RendezvousInfo], None] | None = None,
+                 companion: RecoveryCompanion | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._run_id = run_id
         self._client = client
@@ -90,6 +92,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         self._joined: int | None = None       # the round this agent's join key is in
         self.world: World | None = None       # the last world this agent was admitted to
         self._on_world = on_world
+        self.companion = companion
         self._clock = clock
         self._waiting = (float("-inf"), 0)
 
@@ -113,6 +116,8 @@ class KeyedRendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         end = self._clock() + self._join_timeout_s
+        if self.companion is not None:
+            self.companion.leave_round()
         self._ensure_alive()
         round_ = self._next_round()
         while True:
@@ -134,6 +139,8 @@ class KeyedRendezvousHandler(RendezvousHandler):
                         f"{len(world.members)}.")
         if self._on_world is not None:
             self._on_world(world.round, info)
+        if self.companion is not None:
+            self.companion.on_world(world.round, self.agent.name)
         return info
 
     def num_nodes_waiting(self) -> int:
@@ -171,6 +178,8 @@ class KeyedRendezvousHandler(RendezvousHandler):
     def shutdown(self) -> bool:
         """Close the rendezvous only when this agent's workers succeeded (as ``handler.py``
         explains for torch's handler), and leave it in every case."""
+        if self.companion is not None:
+            self.companion.stop(done=sys.exc_info()[1] is None)
         if sys.exc_info()[1] is None:
             try:
                 self.set_closed()

@@ -8,6 +8,8 @@
 ``/elasticd/<job>/rdzv/join/<round>/<agent>``  keyed rounds: an agent's join, on its lease
 ``/elasticd/<job>/rdzv/alive/<agent>``  keyed rounds: an agent's liveness, on its lease
 ``/elasticd/<job>/rdzv/closed``         keyed rounds: the job's rendezvous is closed
+``/elasticd/<job>/rdzv/recovery/<round>/<agent>``  plain torchrun with recovery=in-place: an
+                                        agent's recovery companion (probe, store, world)
 ``/elasticd/<job>/checkpoint/latest``   newest committed checkpoint (hint)
 ``/elasticd/<job>/events/<ts>-<node>``  lifecycle journal
 ``/elasticd/<job>/drain/<node-id>``     a drain request from ``elasticd drain``
@@ -86,6 +88,10 @@ class JobKeys:
     @property
     def rdzv_alive(self) -> str:
         return f"{self.prefix}rdzv/alive/"
+
+    def rdzv_recovery(self, round_: int) -> str:
+        """recovery=in-place (``rendezvous.companion``): the round's companions, one key each."""
+        return f"{self.prefix}rdzv/recovery/{round_:012d}/"
 
     @property
     def rdzv_closed(self) -> str:
