@@ -69,8 +69,6 @@ from elasticd.rendezvous.keys import JobKeys
 
 log = structlog.get_logger(__name__)
 
-RECOVERY_MODES = ("restart", "in-place")
-DEFAULT_RECOVERY = "restart"
 # Probes of the round's peers, and the timeout of each.
 PROBE_INTERVAL_S = 0.2
 PROBE_TIMEOUT_S = 0.3

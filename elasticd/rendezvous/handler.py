@@ -43,7 +43,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from torch.distributed.elastic.rendezvous import (
@@ -59,12 +59,18 @@ from elasticd.errors import ConfigError, EtcdError
 from elasticd.etcd_client import EtcdClient, EtcdSettings, no_retry
 from elasticd.lease import LeaseKeeper
 from elasticd.rendezvous.backend import EtcdV3RendezvousBackend
-from elasticd.rendezvous.companion import DEFAULT_RECOVERY, RECOVERY_MODES, RecoveryCompanion
 from elasticd.rendezvous.keyed import KeyedRendezvousHandler
 from elasticd.rendezvous.keys import DEFAULT_ROOT, ROUNDS, JobKeys
 from elasticd.rendezvous.rounds import Rules
 from elasticd.rendezvous.store import EtcdV3Store
 from elasticd.rendezvous.torch_compat import check_torch_apis
+from elasticd.worker_contract import RECOVERY_MODES
+
+if TYPE_CHECKING:
+    from elasticd.rendezvous.companion import RecoveryCompanion
+
+# The plugin's --rdzv-conf recovery= values (the workers' modes) and its default.
+DEFAULT_RECOVERY = "restart"
 
 log = structlog.get_logger(__name__)
 
@@ -428,6 +434,11 @@ def _companion(config: PluginConfig, client: EtcdClient, local_addr: str | None,
         log.warning("rdzv-conf recovery=in-place is ignored under the elasticd daemon: the "
                     "daemon agrees the generations itself ([recovery] mode)")
         return None
+    # Imported here: at import time the companion's imports (observer, admin) import torch's
+    # rendezvous, whose registry imports this plugin while they are half-initialised (an
+    # ImportError traceback in every daemon's log, seen in CI).
+    from elasticd.rendezvous.companion import RecoveryCompanion
+
     # The address peers reach this agent at: torch's own choice for MASTER_ADDR.
     addr = local_addr or socket.getfqdn()
     return RecoveryCompanion(client, config.keys, addr, interval_s * attempts,

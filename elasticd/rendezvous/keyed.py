@@ -20,7 +20,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import structlog
 from torch.distributed import PrefixStore, Store
@@ -37,7 +37,6 @@ from elasticd.errors import EtcdError
 from elasticd.etcd_client import EtcdClient, KeyValue, no_retry
 from elasticd.lease import LeaseKeeper
 from elasticd.rendezvous import BACKEND_NAME
-from elasticd.rendezvous.companion import RecoveryCompanion
 from elasticd.rendezvous.keys import JobKeys
 from elasticd.rendezvous.rounds import (
     Agent,
@@ -51,6 +50,9 @@ from elasticd.rendezvous.rounds import (
     nodes_waiting,
     staying_members,
 )
+
+if TYPE_CHECKING:   # the companion is imported only when recovery=in-place (handler.py)
+    from elasticd.rendezvous.companion import RecoveryCompanion
 
 T = TypeVar("T")
 
