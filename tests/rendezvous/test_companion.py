@@ -148,6 +148,12 @@ def three(client, keys, tmp_path, monkeypatch):
         assert comp.enabled
         _progress(tmp_path / f"{name}.json", rank)
         monkeypatch.setenv("ELASTICD_PROGRESS_FILE", str(tmp_path / f"{name}.json"))
+        # on_world writes the workers' settings into os.environ (torchrun copies it): taken
+        # back after the test, or later tests in this process read them (the doctor took
+        # ELASTICD_NODE_ID for its node id and two of its tests failed in the full suite).
+        # (setenv, not delenv: a delenv of an absent variable records nothing to undo.)
+        for var in ("ELASTICD_RECOVERY_MODE", "ELASTICD_NODE_ID", "ELASTICD_GENERATION_FILE"):
+            monkeypatch.setenv(var, "")
         comp.on_world(0, name)
         assert os.environ["ELASTICD_RECOVERY_MODE"] == "in-place"
         assert os.environ["ELASTICD_NODE_ID"] == name
