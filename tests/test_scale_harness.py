@@ -38,7 +38,10 @@ def test_four_nodes_form_lose_one_and_reform(etcd_server, system):
         assert steady[figure] > 0, figure
     # Each daemon probes its 2 ring successors (node.probe_neighbours) every 0.5 s, not
     # all 3 peers (that would be 6 a second).
-    assert steady["probes_per_node_s"] <= 2 / 0.5 * 1.2
+    # A window of steady_s holds at most steady_s / 0.5 + 1 probe rounds (CI once counted 4
+    # rounds in 1.5 s: 5.23/s against a flat 4.8 bound); all 3 peers would be >= 6/s.
+    rounds = args.steady_s / 0.5 + 1
+    assert steady["probes_per_node_s"] <= 2 * rounds / args.steady_s * 1.02
 
     for window in (cell["form"]["window"], steady, cell["reform"]["window"]):
         client = sum(v for k, v in window["client_counts"].items()
