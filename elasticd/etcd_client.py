@@ -58,6 +58,8 @@ _DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("elasti
                                                                         default=None)
 # An attempt never gets less than this: a shorter grpc deadline could fail a healthy call.
 _MIN_ATTEMPT_S = 0.05
+# What an etcd member answers (code UNKNOWN) when its own proposal deadline passes.
+_SERVER_TIMEOUT = "context deadline exceeded"
 
 
 @contextmanager
@@ -293,6 +295,11 @@ class EtcdClient:
                 f"role's permissions on this prefix (endpoints {self.settings.describe()})"
             )
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return EtcdUnavailable(self._unavailable_message(exc))
+        if code == grpc.StatusCode.UNKNOWN and _SERVER_TIMEOUT in (details or ""):
+            # A member without quorum times the proposal out itself and answers UNKNOWN
+            # "context deadline exceeded" (seen on etcd 3.5 with two of three members down):
+            # the cluster is unavailable, not the request wrong.
             return EtcdUnavailable(self._unavailable_message(exc))
         if code == grpc.StatusCode.INVALID_ARGUMENT and any(
                 word in (details or "") for word in ("authentication", "user name", "token")):

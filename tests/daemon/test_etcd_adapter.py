@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
 import pytest
 from structlog.testing import capture_logs
 
@@ -137,3 +138,28 @@ def test_get_many_reads_more_keys_than_one_transaction_may_hold(etcd_server):
     assert set(found) == set(keys[::2]) and revision > 0
     assert all(found[k].value == k.encode() for k in found)
     c.close()
+
+
+class _RpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+@pytest.mark.parametrize(("code", "details", "expected"), [
+    (grpc.StatusCode.UNAVAILABLE, "etcdserver: no leader", EtcdUnavailable),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", EtcdUnavailable),
+    # A member that lost quorum times its own proposal out (CI, 2 of 3 members down).
+    (grpc.StatusCode.UNKNOWN, "context deadline exceeded", EtcdUnavailable),
+    (grpc.StatusCode.UNKNOWN, "something else", EtcdError),
+    (grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: key is not provided", EtcdError),
+])
+def test_rpc_errors_are_translated_by_what_they_mean(code, details, expected):
+    client = EtcdClient(EtcdSettings(endpoints=("127.0.0.1:1",)))
+    translated = client._translate_rpc(_RpcError(code, details))
+    assert type(translated) is expected
