@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elasticd.rendezvous.keys import ROUNDS
+from elasticd.rendezvous.keys import DEFAULT_ROUNDS, ROUNDS
 
 TARGETS = ("rank0", "other", "any")
 MAX_NODES = 8
@@ -62,7 +62,7 @@ class Scenario:
     step_sleep: float = 0.1
     etcd_members: int = 1          # 1, or 3 (EmbeddedEtcdCluster) for leader and quorum faults
     name: str = field(default="")
-    rounds: str = "torch"          # [rendezvous] rounds of the daemons: torch | keyed
+    rounds: str = DEFAULT_ROUNDS   # [rendezvous] rounds of the daemons: keyed | torch
 
     def node_names(self) -> list[str]:
         return list(string.ascii_lowercase[: self.nodes])
@@ -141,7 +141,7 @@ def from_dict(raw: dict[str, Any], kinds: Sequence[str] | None = None, name: str
     sleep = raw.get("step_sleep", 0.1)
     if not isinstance(sleep, (int, float)) or isinstance(sleep, bool) or not 0 <= sleep <= 5:
         raise ScenarioError(f"step_sleep = {sleep!r}: seconds in 0..5")
-    rounds = raw.get("rounds", "torch")
+    rounds = raw.get("rounds", DEFAULT_ROUNDS)
     if rounds not in ROUNDS:
         raise ScenarioError(f"rounds = {rounds!r}: one of {', '.join(ROUNDS)} (the daemons' "
                             "[rendezvous] rounds)")

@@ -40,11 +40,11 @@ def test_a_json_file_round_trips(tmp_path):
 
 
 def test_a_scenario_names_the_daemons_rendezvous_layout(tmp_path):
-    assert draw(3, default_kinds()).rounds == "torch"
-    keyed = draw(3, default_kinds(), rounds="keyed")
+    assert draw(3, default_kinds()).rounds == "keyed"
+    shared = draw(3, default_kinds(), rounds="torch")
     path = tmp_path / "k.json"
-    path.write_text(json.dumps(keyed.to_dict()))
-    assert load(path).rounds == "keyed" and load(path) == keyed
+    path.write_text(json.dumps(shared.to_dict()))
+    assert load(path).rounds == "torch" and load(path) == shared
 
 
 @pytest.mark.parametrize(("fault", "message"), [
@@ -72,7 +72,7 @@ def test_a_bad_fault_is_refused_with_its_number_and_the_fix(fault, message):
      "etcd-quorum-loss needs a 3-member"),
     ({"step_sleep": "slow", "fault": [{"kind": "drain", "at_step": 1}]}, "step_sleep"),
     ({"colour": 1, "fault": [{"kind": "drain", "at_step": 1}]}, "unknown key(s) ['colour']"),
-    ({"rounds": "fast", "fault": [{"kind": "drain", "at_step": 1}]}, "rounds = 'fast': one of torch, keyed"),
+    ({"rounds": "fast", "fault": [{"kind": "drain", "at_step": 1}]}, "rounds = 'fast': one of keyed, torch"),
 ])
 def test_bad_settings_are_refused(raw, message):
     with pytest.raises(ScenarioError) as info:
