@@ -14,8 +14,8 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elasticd.rendezvous import admin
 from elasticd.errors import ConfigError
+from elasticd.rendezvous import admin
 from elasticd.rendezvous.handler import create_handler, parse_params
 from elasticd.rendezvous.keyed import KeyedRendezvousHandler
 from elasticd.rendezvous.keys import JobKeys
