@@ -24,10 +24,10 @@ from elasticd.supervisor import (
     ShrinkOutcome,
     Snapshot,
     decide,
-    records_loss,
-    records_recovery,
     drain_grace,
     hang_bound,
+    records_loss,
+    records_recovery,
     restart_cause,
 )
 
