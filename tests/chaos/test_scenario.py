@@ -7,7 +7,7 @@ import json
 import pytest
 
 from elasticd.chaos.faults import default_kinds
-from elasticd.chaos.scenario import FaultSpec, ScenarioError, draw, from_dict, load
+from elasticd.chaos.scenario import FAULT_STEPS, FaultSpec, ScenarioError, draw, from_dict, load
 
 TOML = """
 seed = 7
@@ -93,7 +93,10 @@ def test_a_draw_is_a_function_of_the_seed_and_the_set_of_kinds():
     assert one == draw(11, list(reversed(kinds)))
     assert sorted(f.kind for f in one.faults) == sorted(kinds)
     assert [f.at_step for f in one.faults] == [60, 120, 180]
-    assert one.final_step == 60 + 3 * 60 + 150
+    # The job has FAULT_STEPS per fault: it steps on while each fault recovers.
+    assert one.final_step == 60 + 3 * FAULT_STEPS + 150
+    assert draw(11, kinds, spacing=400).final_step == 60 + 3 * 400 + 150
+    assert draw(11, kinds, final_step=999).final_step == 999
     assert any(draw(s, kinds).faults != one.faults for s in range(12, 20))
 
 
