@@ -470,10 +470,14 @@ def measure_join(bench: Bench, survivors: list[Node], cap: float, ct_offset: flo
         marks["new_worker_start"] = max(starts) - t_join
     resumed = last_event(members, "resumed", t_join, t_end)
     cont = resumed[1].get("step") if resumed else None
+    # The progress file is rewritten at an interval, so its last step of the world of 2 can
+    # be older than the step the survivors committed at the stop (it read 1 lost as -1).
+    stopped = last_event(survivors, "stopped", t_join, t_end)
+    last_step = max(last2["step"], stopped[1].get("step", -1) if stopped else -1)
     return {"outcome": "recovered", "path": "restart", "join_s": round(first["time"] - t_join, 3),
             "recovery_s": round(first["time"] - last2["time"], 3),
-            "old_world_last_step": last2["step"], "continued_from": cont, "first_step": first["step"],
-            "steps_lost": last2["step"] - cont if cont is not None else None,
+            "old_world_last_step": last_step, "continued_from": cont, "first_step": first["step"],
+            "steps_lost": last_step - cont if cont is not None else None,
             "milestones_per_node": per_node,
             "milestones": {k: round(v, 3) for k, v in sorted(marks.items(), key=lambda kv: kv[1])},
             "rendezvous_log": rendezvous_messages(members, t_join, t_end)}

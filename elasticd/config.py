@@ -22,7 +22,7 @@ from typing import Any
 from elasticd.errors import ConfigError
 from elasticd.etcd_client import EtcdSettings, parse_endpoint
 from elasticd.preemption import PreemptionConfig
-from elasticd.rendezvous.keys import ROUNDS, check_job_id
+from elasticd.rendezvous.keys import DEFAULT_ROUNDS, ROUNDS, check_job_id
 from elasticd.worker_contract import (
     DEFAULT_LR_RULE,
     DEFAULT_RECOVERY_BOUND_S,
@@ -125,13 +125,14 @@ class RendezvousConfig:
     keep_alive_interval: int = 1
     keep_alive_max_attempt: int = 5
     close_timeout: int = 30
-    # "torch": torch's dynamic rendezvous on one shared state; "keyed": per-agent keys whose
-    # etcd writes grow linearly with the nodes (rendezvous/keyed.py; docs/scale.md).
-    rounds: str = "torch"
+    # "keyed": per-agent keys whose etcd writes grow linearly with the nodes
+    # (rendezvous/keyed.py; docs/scale.md); "torch": torch's dynamic rendezvous on one
+    # shared state.
+    rounds: str = DEFAULT_ROUNDS
 
     def __post_init__(self) -> None:
         _require(self.rounds in ROUNDS, "rendezvous.rounds", self.rounds,
-                 'use "torch" (the default) or "keyed" (for large jobs)')
+                 'use "keyed" (the default) or "torch" (torch\'s one shared state)')
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name == "rounds":

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import enum
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
@@ -346,10 +346,41 @@ def _progress(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list
         kind, since = mem.recovering
         took = round(snap.now - since, 3)
         mem = replace(mem, recovering=None)
-        actions = [act(Kind.OBSERVE, metric="recovery_seconds", label=kind, value=took),
-                   act(Kind.JOURNAL, event="recovered", fields={"fault": kind, "duration_s": took})]
+        actions = [act(Kind.OBSERVE, metric="recovery_seconds", label=kind, value=took)]
+        if records_recovery(snap, kind):
+            actions.append(act(Kind.JOURNAL, event="recovered",
+                               fields={"fault": kind, "duration_s": took}))
         notes.append(f"training resumed {took:.1f} s after a {kind}")
     return mem, actions, "; ".join(notes)
+
+
+_GONE_STATES = frozenset({"leaving", "completed", "failed"})
+# Faults of this node alone (its own workers, agent or hang): only this node can tell them.
+LOCAL_FAULTS = frozenset({"worker-crash", "agent-crash", "hang"})
+
+
+def records_loss(snap: Snapshot, mem: Memory, lost: Collection[str]) -> bool:
+    """Whether this node journals the loss of ``lost``: every survivor decides the same loss,
+    and one entry per fault (not one per node: 2,047 writes at 2,048 nodes) is written by
+    the survivor whose workers hold the lowest rank, as the nodes' records publish their
+    worlds (by node id where a world is unknown). Every survivor reads the same records,
+    so they name the same writer; a survivor that sees a peer the others already lost may
+    write a second entry, never none (the lowest survivor always counts itself)."""
+    gone = set(lost) | set(mem.dead) | set(mem.evicting) | set(mem.refused_at)
+
+    def key(node: str, world: WorldView | None) -> tuple[float, str]:
+        return (world.first_rank if world is not None else float("inf"), node)
+
+    mine = key(snap.node_id, snap.world)
+    return all(mine <= key(n, p.world) for n, p in snap.peers.items()
+               if n not in gone and n != snap.node_id and p.state not in _GONE_STATES)
+
+
+def records_recovery(snap: Snapshot, kind: str) -> bool:
+    """Whether this node journals a recovery from ``kind``: a fault of this node alone by
+    this node; a shared one (a lost peer: every survivor recovers) once, by the node whose
+    workers hold rank 0 of the new world (its progress file says so)."""
+    return kind in LOCAL_FAULTS or snap.rank0_here
 
 
 def _recovering(mem: Memory, kind: str, now: float) -> Memory:
@@ -381,9 +412,11 @@ def _worker_restarts(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memor
                           policy.membership_window_s)
     if cause == "crash":
         mem = _recovering(_count_failure(mem, mem.failures, snap.now), "worker-crash", snap.now)
-    return mem, [act(Kind.JOURNAL, event="workers-restarted", fields={"cause": cause}),
-                 act(Kind.COUNT, metric="worker_restarts", label=cause)], \
-        f"the agent restarted its workers after a {cause}"
+    actions = [act(Kind.COUNT, metric="worker_restarts", label=cause)]
+    # A membership restart restarts every node's workers: the rank-0 node journals it.
+    if cause == "crash" or snap.rank0_here:
+        actions.insert(0, act(Kind.JOURNAL, event="workers-restarted", fields={"cause": cause}))
+    return mem, actions, f"the agent restarted its workers after a {cause}"
 
 
 def _peer_news(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:
@@ -395,7 +428,7 @@ def _peer_news(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, lis
     suspects = dict(mem.suspects)
     dead = dict(mem.dead)
     for peer in snap.departed:
-        if peer.state in ("leaving", "completed", "failed"):
+        if peer.state in _GONE_STATES:
             dead[peer.node_id] = Death(peer, "left")
         elif peer.node_id in refused_at:
             # We saw it refuse its probe moments ago: a crash, no need to ask again.
@@ -488,9 +521,11 @@ def _in_place_done(snap: Snapshot, mem: Memory) -> tuple[Memory, list[Action], s
               "generation": str(snap.generation), "fault": ip.fault, "lost": list(ip.lost)}
     mem = replace(mem, in_place=None, recovering=None,
                   reformed_without=mem.reformed_without | frozenset(ip.lost))
-    return mem, [act(Kind.JOURNAL, event="recovered-in-place", fields=fields),
-                 act(Kind.OBSERVE, metric="recovery_seconds", label="in-place", value=took),
-                 act(Kind.COUNT, metric="in_place_recoveries", label="ok")], \
+    actions = [act(Kind.OBSERVE, metric="recovery_seconds", label="in-place", value=took),
+               act(Kind.COUNT, metric="in_place_recoveries", label="ok")]
+    if records_recovery(snap, ip.fault):
+        actions.insert(0, act(Kind.JOURNAL, event="recovered-in-place", fields=fields))
+    return mem, actions, \
         f"the workers re-formed in place as generation {snap.generation} {took:.1f} s after a {ip.fault}"
 
 
@@ -749,8 +784,9 @@ def _dead_peers(snap: Snapshot, mem: Memory, policy: Policy):
     if first:
         mem = _recovering(mem, f"peer-{tried[first[0]].how}", snap.now)
     actions = [act(Kind.EVICT, peers=tuple(d.peer for d in tried.values()))]
-    actions += [act(Kind.JOURNAL, event="peer-lost", fields={"peer": n, "how": tried[n].how})
-                for n in first]
+    if records_loss(snap, mem, tried):
+        actions += [act(Kind.JOURNAL, event="peer-lost", fields={"peer": n, "how": tried[n].how})
+                    for n in first]
     actions += [act(Kind.COUNT, metric="evictions", label=tried[n].how) for n in first]
     if not first:
         return mem, actions, f"retrying the eviction of peer(s) {names}"

@@ -88,7 +88,7 @@ def test_timeline_json_shows_the_crash_and_the_rejoin(crash_and_rejoin):
     lost = [f for f in tl["faults"] if f["kind"] == "peer-lost" and f["node"] == victim]
     assert len(lost) == 1, tl["faults"]
     assert lost[0]["how"] == "crashed"
-    assert set(lost[0]["reported_by"]) <= set(survivors) and lost[0]["reported_by"]
+    assert len(lost[0]["reported_by"]) == 1 and lost[0]["reported_by"][0] in survivors
     assert lost[0]["time"] >= run["crash"]
     first, second = tl["nodes"][victim]["member"]
     assert first["end_kind"] == "lost (crashed)" and first["end"] == lost[0]["t"]
@@ -105,11 +105,12 @@ def test_timeline_json_shows_the_crash_and_the_rejoin(crash_and_rejoin):
 def test_timeline_json_shows_the_recovery(crash_and_rejoin):
     tl = json.loads(crash_and_rejoin["json"].stdout)
     # In place (the default) or, for a crash before every daemon published its world,
-    # by a restart: either way one recovery per survivor.
+    # by a restart: either way one recovery, journaled once (by the new world's rank 0).
     recoveries = [r for r in tl["recoveries"] if r["kind"] in ("peer-crashed",
                                                                 "peer-crashed in place")]
-    assert {r["node"] for r in recoveries} == set(crash_and_rejoin["survivors"])
-    assert all(r["duration_s"] > 0 for r in recoveries)
+    assert len(recoveries) == 1, tl["recoveries"]
+    assert recoveries[0]["node"] in crash_and_rejoin["survivors"]
+    assert recoveries[0]["duration_s"] > 0
 
 
 def test_timeline_png_is_drawn(crash_and_rejoin):

@@ -21,7 +21,7 @@ from elasticd.chaos.invariants import check_all
 from elasticd.chaos.report import write
 from elasticd.chaos.run import run_scenario
 from elasticd.chaos.scenario import Scenario, ScenarioError, draw, load
-from elasticd.rendezvous.keys import ROUNDS
+from elasticd.rendezvous.keys import DEFAULT_ROUNDS, ROUNDS
 
 
 def parser() -> argparse.ArgumentParser:
@@ -36,7 +36,7 @@ def parser() -> argparse.ArgumentParser:
                    "and the network faults, which need root and iptables and run in a "
                    "scenario of their own: name them here)")
     p.add_argument("--nodes", type=int, default=3)
-    p.add_argument("--rounds", choices=ROUNDS, default="torch",
+    p.add_argument("--rounds", choices=ROUNDS, default=DEFAULT_ROUNDS,
                    help="the daemons' rendezvous layout ([rendezvous] rounds)")
     p.add_argument("--spacing", type=int, default=60, help="steps between drawn faults")
     p.add_argument("--final-step", type=int, default=None,

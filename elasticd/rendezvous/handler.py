@@ -2,9 +2,9 @@
 
 ``--rdzv-conf`` keys (all optional)::
 
-    rounds=torch|keyed          torch: torch's dynamic rendezvous on one shared state (the
-                                default); keyed: per-agent keys, writes linear in the nodes
-                                (keyed.py, for large jobs)
+    rounds=keyed|torch          keyed: per-agent keys, etcd writes linear in the nodes
+                                (keyed.py, the default); torch: torch's dynamic rendezvous
+                                on one shared state (writes grow with the square of the nodes)
     key_prefix=/elasticd        root of the job's keys (<key_prefix>/<run_id>/rdzv/...)
     ttl=7200                    seconds the run's keys outlive the last live agent
     read_timeout=5              seconds per etcd request
@@ -60,7 +60,7 @@ from elasticd.etcd_client import EtcdClient, EtcdSettings, no_retry
 from elasticd.lease import LeaseKeeper
 from elasticd.rendezvous.backend import EtcdV3RendezvousBackend
 from elasticd.rendezvous.keyed import KeyedRendezvousHandler
-from elasticd.rendezvous.keys import DEFAULT_ROOT, ROUNDS, JobKeys
+from elasticd.rendezvous.keys import DEFAULT_ROOT, DEFAULT_ROUNDS, ROUNDS, JobKeys
 from elasticd.rendezvous.rounds import Rules
 from elasticd.rendezvous.store import EtcdV3Store
 from elasticd.rendezvous.torch_compat import check_torch_apis
@@ -128,10 +128,10 @@ def parse_params(params: RendezvousParameters) -> PluginConfig:
         retry_s=_positive_int(params, "retry_timeout", 30),
     )
     keys = JobKeys(params.run_id, params.get("key_prefix") or DEFAULT_ROOT)
-    rounds = (params.get("rounds") or "torch").strip().lower()
+    rounds = (params.get("rounds") or DEFAULT_ROUNDS).strip().lower()
     if rounds not in ROUNDS:
-        raise ConfigError(f"rdzv-conf rounds={rounds!r}: use torch (one shared state, the "
-                          "default) or keyed (per-agent keys, for large jobs)")
+        raise ConfigError(f"rdzv-conf rounds={rounds!r}: use keyed (per-agent keys, the "
+                          "default) or torch (torch's one shared state)")
     recovery = (params.get("recovery") or DEFAULT_RECOVERY).strip().lower()
     if recovery not in RECOVERY_MODES:
         raise ConfigError(f"rdzv-conf recovery={recovery!r}: use restart (a lost peer restarts "

@@ -25,9 +25,12 @@ from dataclasses import dataclass
 
 from elasticd.errors import ConfigError
 
-# The rendezvous layouts: torch's dynamic rendezvous on one shared state, or keyed
-# rounds (rendezvous/keyed.py). ``--rdzv-conf rounds=`` and ``[rendezvous] rounds``.
-ROUNDS = ("torch", "keyed")
+# The rendezvous layouts: keyed rounds (rendezvous/keyed.py: per-agent keys, etcd writes
+# linear in the nodes), or torch's dynamic rendezvous on one shared state (every agent
+# compare-and-sets one pickled state: writes grow with the square of the nodes).
+# ``--rdzv-conf rounds=`` and ``[rendezvous] rounds``.
+ROUNDS = ("keyed", "torch")
+DEFAULT_ROUNDS = "keyed"
 
 DEFAULT_ROOT = "/elasticd"
 _JOB_ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")

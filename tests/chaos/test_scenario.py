@@ -7,7 +7,7 @@ import json
 import pytest
 
 from elasticd.chaos.faults import default_kinds
-from elasticd.chaos.scenario import FaultSpec, ScenarioError, draw, from_dict, load
+from elasticd.chaos.scenario import FAULT_STEPS, FaultSpec, ScenarioError, draw, from_dict, load
 
 TOML = """
 seed = 7
@@ -40,11 +40,11 @@ def test_a_json_file_round_trips(tmp_path):
 
 
 def test_a_scenario_names_the_daemons_rendezvous_layout(tmp_path):
-    assert draw(3, default_kinds()).rounds == "torch"
-    keyed = draw(3, default_kinds(), rounds="keyed")
+    assert draw(3, default_kinds()).rounds == "keyed"
+    shared = draw(3, default_kinds(), rounds="torch")
     path = tmp_path / "k.json"
-    path.write_text(json.dumps(keyed.to_dict()))
-    assert load(path).rounds == "keyed" and load(path) == keyed
+    path.write_text(json.dumps(shared.to_dict()))
+    assert load(path).rounds == "torch" and load(path) == shared
 
 
 @pytest.mark.parametrize(("fault", "message"), [
@@ -72,7 +72,7 @@ def test_a_bad_fault_is_refused_with_its_number_and_the_fix(fault, message):
      "etcd-quorum-loss needs a 3-member"),
     ({"step_sleep": "slow", "fault": [{"kind": "drain", "at_step": 1}]}, "step_sleep"),
     ({"colour": 1, "fault": [{"kind": "drain", "at_step": 1}]}, "unknown key(s) ['colour']"),
-    ({"rounds": "fast", "fault": [{"kind": "drain", "at_step": 1}]}, "rounds = 'fast': one of torch, keyed"),
+    ({"rounds": "fast", "fault": [{"kind": "drain", "at_step": 1}]}, "rounds = 'fast': one of keyed, torch"),
 ])
 def test_bad_settings_are_refused(raw, message):
     with pytest.raises(ScenarioError) as info:
@@ -93,7 +93,10 @@ def test_a_draw_is_a_function_of_the_seed_and_the_set_of_kinds():
     assert one == draw(11, list(reversed(kinds)))
     assert sorted(f.kind for f in one.faults) == sorted(kinds)
     assert [f.at_step for f in one.faults] == [60, 120, 180]
-    assert one.final_step == 60 + 3 * 60 + 150
+    # The job has FAULT_STEPS per fault: it steps on while each fault recovers.
+    assert one.final_step == 60 + 3 * FAULT_STEPS + 150
+    assert draw(11, kinds, spacing=400).final_step == 60 + 3 * 400 + 150
+    assert draw(11, kinds, final_step=999).final_step == 999
     assert any(draw(s, kinds).faults != one.faults for s in range(12, 20))
 
 

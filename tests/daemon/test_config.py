@@ -20,7 +20,7 @@ def cfg(**sections):
 def test_minimal_config_has_sane_defaults():
     c = cfg()
     assert c.node.lease_ttl_s == 5
-    assert c.rendezvous.last_call_timeout == 1
+    assert c.rendezvous.last_call_timeout == 1 and c.rendezvous.rounds == "keyed"
     assert c.etcd.endpoints == ("127.0.0.1:2379",)
     assert c.checkpoint.keep_last == 3
     assert (c.recovery.mode, c.recovery.bound_s, c.recovery.store_port) == ("in-place", 5.0, 0)

@@ -26,6 +26,8 @@ from elasticd.supervisor import (
     decide,
     drain_grace,
     hang_bound,
+    records_loss,
+    records_recovery,
     restart_cause,
 )
 
@@ -584,8 +586,8 @@ def test_an_unneeded_shrink_ends_quietly():
 
 
 def test_the_reformed_report_is_one_recovered_in_place_event():
-    mem = replace(agreed(), recovering=("peer-crashed", T))
-    out = d(live(now=T + 1.5, generation=G1, step=41, progress_event="reformed",
+    mem = replace(agreed(), recovering=("peer-crashed", T), journaled_at=T)
+    out = d(live(now=T + 1.5, generation=G1, step=41, progress_event="reformed", rank0_here=True,
                  world=WorldView("a", G1, 0, 2, 2),
                  reform=Reform("reformed", duration_s=0.8, from_world_size=4, cause="peer-crashed")),
             mem, INPLACE)
@@ -618,7 +620,8 @@ def test_an_eviction_outcome_after_the_re_form_plans_no_kill():
 
 
 def test_a_missed_reformed_record_still_counts_once_by_the_generation():
-    out = d(live(now=T + 2, generation=G1, step=42, progress_event="step"), agreed(), INPLACE)
+    out = d(live(now=T + 2, generation=G1, step=42, progress_event="step", rank0_here=True),
+            replace(agreed(), journaled_at=T), INPLACE)
     assert [a["event"] for a in out.actions if a.kind is Kind.JOURNAL] == ["recovered-in-place"]
 
 
@@ -630,7 +633,8 @@ def test_reform_failed_is_one_fallback_and_the_restart_is_a_membership_one():
     assert failed.actions[0]["fields"]["reason"] == "timeout"
     assert failed.actions[0]["fields"]["duration_s"] == 1.2
     assert (failed.actions[1]["metric"], failed.actions[1]["label"]) == ("in_place_recoveries", "fallback")
-    restarted = d(live(now=T + 5, workers=frozenset({31, 32})), failed.memory, INPLACE)
+    restarted = d(live(now=T + 5, workers=frozenset({31, 32}), rank0_here=True),
+                  replace(failed.memory, journaled_at=T), INPLACE)
     assert restarted.actions[0]["fields"] == {"cause": "membership"}
 
 
@@ -645,7 +649,7 @@ def test_a_re_form_that_fails_in_the_cycle_its_shrink_returns_is_not_handed_agai
     assert [a["event"] for a in both.actions if a.kind is Kind.JOURNAL] == ["in-place-fallback"]
     assert both.memory.generation_handed == G1
     restarted = d(live(now=T + 2.6, workers=frozenset({31}), generation=G, generation_record=REC,
-                       progress_event="reform-failed",
+                       progress_event="reform-failed", rank0_here=True,
                        reform=Reform("reform-failed", duration_s=0.01, reason="fault injected")),
                   both.memory, INPLACE)
     assert Kind.WRITE_GENERATION not in restarted.kinds()
@@ -653,7 +657,8 @@ def test_a_re_form_that_fails_in_the_cycle_its_shrink_returns_is_not_handed_agai
 
 
 def test_workers_that_exit_during_a_re_form_fall_back():
-    out = d(live(now=T + 1, workers=frozenset({31, 32}), generation=G), agreed(), INPLACE)
+    out = d(live(now=T + 1, workers=frozenset({31, 32}), generation=G, rank0_here=True),
+            agreed(), INPLACE)
     journal = [a for a in out.actions if a.kind is Kind.JOURNAL]
     assert [a["event"] for a in journal] == ["in-place-fallback", "workers-restarted"]
     assert journal[0]["fields"]["reason"] == "workers-exited"
@@ -728,3 +733,72 @@ def test_a_diverged_loss_marks_the_node_failed_at_once():
 def test_a_diverged_event_while_draining_is_left_to_the_drain():
     draining = replace(RUNNING, phase=Phase.DRAINING, drain_reason="a drain request")
     assert d(live(step=10, progress_event="diverged"), draining).phase is Phase.DRAINING
+
+
+# -- one journal writer per fault (issue 14): every survivor decides, one writes ------------
+
+def _peer(node: str, first_rank: int | None, state: str = "running") -> PeerView:
+    world = None if first_rank is None else WorldView(node, G, first_rank, 1, 4)
+    return PeerView(node, state, ("127.0.0.1", 70 + len(node)), 5, world=world)
+
+
+def _journaled(out) -> list[str]:
+    return [a["event"] for a in out.actions if a.kind is Kind.JOURNAL and a["event"] != "progress"]
+
+
+@pytest.mark.parametrize("lost", ["a", "b", "d"])
+def test_a_lost_peer_is_journaled_by_exactly_one_survivor_the_lowest_rank(lost):
+    """Four nodes a..d at ranks 0..3 (a: rank 0); each survivor decides the same loss
+    from the same records, and only the survivor with the lowest rank writes ``peer-lost``."""
+    ranks = {"a": 0, "b": 1, "c": 2, "d": 3}
+    writers, evicted = [], []
+    for me in (n for n in ranks if n != lost):
+        peers = {n: _peer(n, r) for n, r in ranks.items() if n != me}
+        mem = replace(RUNNING, dead={lost: Death(peers[lost], "crashed")}, journaled_at=T)
+        out = d(live(node_id=me, peers=peers, world=WorldView(me, G, ranks[me], 1, 4)), mem)
+        evicted.append(Kind.EVICT in out.kinds())
+        if _journaled(out) == ["peer-lost"]:
+            writers.append(me)
+        assert [a["label"] for a in out.actions if a.kind is Kind.COUNT] == ["crashed"]
+    assert all(evicted)
+    assert writers == [min((n for n in ranks if n != lost), key=ranks.get)]
+
+
+def test_the_loss_writer_skips_peers_that_are_lost_leaving_or_refusing_and_falls_back_to_ids():
+    peers = {"a": _peer("a", None), "b": _peer("b", None, "leaving"), "c": _peer("c", None)}
+    mine = Snapshot(now=T, node_id="c", peers=peers)
+    assert not records_loss(mine, RUNNING, {"x"})            # a: alive, lower id, no world
+    assert records_loss(mine, RUNNING, {"a"})                # a lost; b leaving
+    assert records_loss(mine, replace(RUNNING, refused_at={"a": T}), ())
+    assert records_loss(replace(mine, world=WorldView("c", G, 0, 1, 3)), RUNNING, ())  # a rank beats no world
+
+
+@pytest.mark.parametrize(("kind", "rank0", "writes"), [
+    ("peer-crashed", True, True), ("peer-crashed", False, False), ("peer-silent", False, False),
+    ("worker-crash", False, True), ("agent-crash", False, True), ("hang", False, True)])
+def test_a_recovery_is_journaled_by_the_new_rank_0_or_by_the_node_of_a_local_fault(kind, rank0, writes):
+    assert records_recovery(Snapshot(now=T, rank0_here=rank0), kind) is writes
+    mem = replace(RUNNING, recovering=(kind, T - 2), step=40, journaled_at=T)
+    out = d(live(step=41, progress_event="step", rank0_here=rank0), mem)
+    assert _journaled(out) == (["recovered"] if writes else [])
+    assert [a["label"] for a in out.actions if a.kind is Kind.OBSERVE] == [kind]   # every node's metric
+
+
+def test_only_the_new_rank_0_journals_the_in_place_recovery():
+    for rank0 in (True, False):
+        out = d(live(now=T + 1.5, generation=G1, step=41, progress_event="reformed", rank0_here=rank0,
+                     world=WorldView("a", G1, 0 if rank0 else 1, 1, 2),
+                     reform=Reform("reformed", duration_s=0.8, from_world_size=3)),
+                replace(agreed(), journaled_at=T), INPLACE)
+        assert _journaled(out) == (["recovered-in-place"] if rank0 else [])
+        assert [(a.kind, a["label"]) for a in out.actions if a.kind in (Kind.OBSERVE, Kind.COUNT)] == \
+            [(Kind.OBSERVE, "in-place"), (Kind.COUNT, "ok")]
+
+
+def test_a_membership_restart_is_journaled_by_the_rank_0_node_and_a_crash_by_its_own():
+    member = replace(RUNNING, membership_changed_at=T - 1, journaled_at=T)
+    for rank0 in (True, False):
+        out = d(live(workers=frozenset({21}), rank0_here=rank0), member)
+        assert _journaled(out) == (["workers-restarted"] if rank0 else [])
+    crash = d(live(workers=frozenset({21}), rank0_here=False), replace(RUNNING, journaled_at=T))
+    assert _journaled(crash) == ["workers-restarted"]

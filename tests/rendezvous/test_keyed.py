@@ -14,8 +14,9 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
+from elasticd.errors import ConfigError
 from elasticd.rendezvous import admin
-from elasticd.rendezvous.handler import create_handler
+from elasticd.rendezvous.handler import create_handler, parse_params
 from elasticd.rendezvous.keyed import KeyedRendezvousHandler
 from elasticd.rendezvous.keys import JobKeys
 from tests.conftest import connect
@@ -208,3 +209,13 @@ def test_a_member_that_rejoins_the_next_round_has_left_the_full_world(make, clie
         time.sleep(0.2)
     infos = rendezvous_all(members[:2]) + [pending.result(timeout=30)]
     assert {i.world_size for i in infos} == {3} and members[0].world.round == 1
+
+
+def test_keyed_rounds_are_the_default_and_torchs_layout_stays_selectable():
+    def rounds(**conf: str) -> str:
+        params = RendezvousParameters("etcd3", "127.0.0.1:2379", "job-1", 1, 2, **conf)
+        return parse_params(params).rounds
+    assert rounds() == "keyed"
+    assert rounds(rounds=" Torch ") == "torch"
+    with pytest.raises(ConfigError, match=r"rounds='shared'.*keyed.*torch"):
+        rounds(rounds="shared")
