@@ -12,7 +12,16 @@ BACKEND_NAME = "etcd3"
 
 
 def handler_factory() -> Callable[[Any], Any]:
-    """Entry point: a zero-argument function returning the handler factory."""
-    from elasticd.rendezvous.handler import create_handler
+    """Entry point: a zero-argument function returning the handler factory.
+
+    The handler module is imported when a handler is created, not here: importing it
+    first imports torch's rendezvous registry, which calls this entry point while the
+    handler module is half-initialised (an ImportError traceback in the log otherwise).
+    """
+
+    def create_handler(params: Any) -> Any:
+        from elasticd.rendezvous import handler
+
+        return handler.create_handler(params)
 
     return create_handler

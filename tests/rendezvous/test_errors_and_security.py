@@ -128,3 +128,14 @@ def test_entry_point_registers_etcd3_with_torchrun():
             "_register_out_of_tree_handlers(); print(r._registry['etcd3'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "create_handler" in out.stdout
+
+
+def test_importing_the_handler_module_first_registers_the_plugin_without_an_error():
+    """torch's registry calls the entry point while the handler module is half-imported
+    (it imports torch's rendezvous): the entry point must not import it back then."""
+    code = ("import elasticd.rendezvous.handler;"
+            "from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as r;"
+            "print(r._registry['etcd3'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "create_handler" in out.stdout
+    assert "Exception while registering" not in out.stderr and "ImportError" not in out.stderr
