@@ -45,10 +45,17 @@ def cluster(tmp_path, job_id, etcd_server):
 
 
 @pytest.fixture
-def rdzv(etcd_server, job_id):
+def closed(etcd_server, job_id):
+    """Whether the rendezvous is closed, on either layout (keyed rounds have no round to
+    view before a world formed: their ``closed`` key says it)."""
     client = EtcdClient(EtcdSettings(endpoints=(etcd_server.endpoint,)))
     keys = JobKeys(job_id)
-    yield lambda: admin.current_round(client, keys)
+
+    def read() -> bool:
+        view = admin.current_round(client, keys)
+        return client.get(keys.rdzv_closed) is not None or (view is not None and view.closed)
+
+    yield read
     client.close()
 
 
@@ -59,24 +66,25 @@ def _exit_code(node: TorchrunNode, timeout_s: float) -> int:
         raise AssertionError(f"{node.name} did not exit in {timeout_s} s\n{node.log_tail()}") from None
 
 
-def test_a_join_timeout_does_not_close_the_rendezvous(cluster, rdzv, tmp_path):
+@pytest.mark.parametrize("rounds", ["keyed", "torch"])
+def test_a_join_timeout_does_not_close_the_rendezvous(cluster, closed, tmp_path, rounds):
     add, nodes = cluster
+    conf = f"{FAST_RDZV_CONF},rounds={rounds}"
     # Alone where two nodes are needed: its join times out after 3 s and the agent exits.
-    lonely = add("z", nnodes="2", rdzv_conf=FAST_RDZV_CONF.replace("join_timeout=120", "join_timeout=3"))
+    lonely = add("z", nnodes="2", rdzv_conf=conf.replace("join_timeout=120", "join_timeout=3"))
     assert _exit_code(lonely, 90) != 0
     assert "RendezvousTimeoutError" in lonely.log_tail(20000)
-    view = rdzv()
-    assert view is not None and not view.closed, "the agent's shutdown closed the rendezvous"
+    assert not closed(), "the agent's shutdown closed the rendezvous"
     start = time.time()
     for name in "ab":
-        add(name, nnodes="2")
+        add(name, nnodes="2", rdzv_conf=conf)
     wait_until(lambda: world_after(tmp_path, ["a", "b"], 2, start), 90,
                "a and b form a world after the timed-out agent left", nodes)
     assert stop_all(nodes[1:], tmp_path) == [0, 0]
-    assert rdzv().closed, "after success the rendezvous is closed, as torch does"
+    assert closed(), "after success the rendezvous is closed, as torch does"
 
 
-def test_an_agent_out_of_restarts_does_not_close_the_rendezvous(cluster, rdzv, tmp_path):
+def test_an_agent_out_of_restarts_does_not_close_the_rendezvous(cluster, closed, tmp_path):
     add, nodes = cluster
     a = add("a", nnodes="1:3")
     b = add("b", nnodes="1:3", max_restarts=2)
@@ -94,8 +102,7 @@ def test_an_agent_out_of_restarts_does_not_close_the_rendezvous(cluster, rdzv, t
     assert _exit_code(b, 30) != 0, "b should have used up its restarts"
     assert "ChildFailedError" in b.log_tail(20000) or "exitcode" in b.log_tail(20000)
     gave_up = time.time()
-    view = rdzv()
-    assert view is not None and not view.closed, "the agent out of restarts closed the rendezvous"
+    assert not closed(), "the agent out of restarts closed the rendezvous"
     wait_until(lambda: world_after(tmp_path, ["a"], 1, gave_up), 60, "a goes on alone", nodes)
     joined = time.time()
     add("c", nnodes="1:3")
@@ -104,21 +111,27 @@ def test_an_agent_out_of_restarts_does_not_close_the_rendezvous(cluster, rdzv, t
     assert stop_all([a, nodes[2]], tmp_path) == [0, 0]
 
 
-def test_reopen_if_closed_lets_agents_join_a_closed_rendezvous(cluster, etcd_server, job_id, tmp_path):
+@pytest.mark.parametrize("rounds", ["keyed", "torch"])
+def test_reopen_if_closed_lets_agents_join_a_closed_rendezvous(cluster, etcd_server, job_id, tmp_path,
+                                                              rounds):
     """The daemon's repair for a state closed by anything else (an older plugin, an operator)."""
     add, nodes = cluster
     client = EtcdClient(EtcdSettings(endpoints=(etcd_server.endpoint,)))
     keys = JobKeys(job_id)
+    conf = f"{FAST_RDZV_CONF},rounds={rounds}"
     try:
-        closed = dyn._RendezvousState()
-        closed.closed = True
-        client.put(keys.rdzv_state, pickle.dumps(closed))
-        refused = add("x", nnodes="1")
+        if rounds == "torch":
+            state = dyn._RendezvousState()
+            state.closed = True
+            client.put(keys.rdzv_state, pickle.dumps(state))
+        else:
+            client.put(keys.rdzv_closed, b"{}")
+        refused = add("x", nnodes="1", rdzv_conf=conf)
         assert _exit_code(refused, 60) != 0
         assert "RendezvousClosedError" in refused.log_tail(20000)
         assert admin.reopen_if_closed(client, keys, deadline_s=2.0)
         start = time.time()
-        a = add("a", nnodes="1")
+        a = add("a", nnodes="1", rdzv_conf=conf)
         wait_until(lambda: world_after(tmp_path, ["a"], 1, start), 60, "a joins the reopened rendezvous",
                    nodes)
         assert stop_all([a], tmp_path) == [0]
