@@ -365,7 +365,8 @@ def records_loss(snap: Snapshot, mem: Memory, lost: Collection[str]) -> bool:
     the survivor whose workers hold the lowest rank, as the nodes' records publish their
     worlds (by node id where a world is unknown). Every survivor reads the same records,
     so they name the same writer; a survivor that sees a peer the others already lost may
-    write a second entry, never none (the lowest survivor always counts itself)."""
+    write a second entry. None is written only when the lower-ranked peer they defer to
+    dies before the loss is journaled (its own loss is then journaled by the next one)."""
     gone = set(lost) | set(mem.dead) | set(mem.evicting) | set(mem.refused_at)
 
     def key(node: str, world: WorldView | None) -> tuple[float, str]:
@@ -414,7 +415,7 @@ def _worker_restarts(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memor
         mem = _recovering(_count_failure(mem, mem.failures, snap.now), "worker-crash", snap.now)
     actions = [act(Kind.COUNT, metric="worker_restarts", label=cause)]
     # A membership restart restarts every node's workers: the rank-0 node journals it.
-    if cause == "crash" or snap.rank0_here:
+    if records_recovery(snap, "worker-crash" if cause == "crash" else cause):
         actions.insert(0, act(Kind.JOURNAL, event="workers-restarted", fields={"cause": cause}))
     return mem, actions, f"the agent restarted its workers after a {cause}"
 
