@@ -1,22 +1,40 @@
 # One command each: `make demo`, `make test`. Both create .venv and install what they need.
+# `make compat` runs the torch-version lane: the same install on another torch, in its own venv.
 PY ?= python3
-VENV := .venv
+TORCH ?= 2.13.0
+VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The second torch CI proves (2.14.1: the newest this machine's pip allows; on a machine
+# without that cap, `make compat COMPAT_TORCH=2.15.0` runs the same lane on 2.15).
+COMPAT_TORCH ?= 2.14.1
+# What a torch version can break: the rendezvous (plugin end to end, store contract, torch's
+# private APIs), the in-place re-form (trainer and daemon runs) and the drop-in loops.
+COMPAT_TESTS := tests/rendezvous tests/trainer/test_inplace.py tests/trainer/test_reform.py \
+	tests/daemon/test_inplace_runs.py tests/daemon/test_dropin_runs.py
 
-.PHONY: venv test chaos inplace dropin lint demo bench clean
+.PHONY: venv test compat compat-run chaos inplace dropin lint demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	# torch first, pinned to the CPU wheel: a bare `torch` would resolve a multi-GB CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
+	# torch first, pinned: the 2.13.0 CPU wheel by default (a bare `torch` would resolve a
+	# multi-GB CUDA build); `pip install .` then keeps whichever supported torch is there.
+	$(BIN)/pip install -q torch==$(TORCH)
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/python -c "import torch, sys; v = torch.__version__.split('+')[0]; \
+		sys.exit(0 if v == '$(TORCH)' else 'torch ' + v + ' replaced $(TORCH)')"
 	touch $(STAMP)
 
 venv: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+compat:
+	$(MAKE) VENV=.venv-torch$(COMPAT_TORCH) TORCH=$(COMPAT_TORCH) compat-run
+
+compat-run: $(STAMP)
+	$(BIN)/python -m pytest -q -m 'not chaos' $(COMPAT_TESTS)
 
 chaos: $(STAMP)
 	$(BIN)/python -m pytest -q -m chaos
@@ -34,4 +52,4 @@ demo: $(STAMP)
 	$(BIN)/elasticd demo
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-torch* *.egg-info .pytest_cache

@@ -440,8 +440,13 @@ def _torch_check() -> Check:
                 if torch.cuda.is_available() else "CUDA not available (CPU only)")
     except Exception as exc:
         cuda = f"CUDA query failed ({type(exc).__name__}: {exc})"
+    from elasticd.rendezvous.torch_compat import nccl2_backend, reconfigure_api
+
+    reform = ("torch's reconfigure API (gloo" + (", NCCL through nccl2)" if nccl2_backend()
+                                                 else ")")
+              if reconfigure_api() else "destroy + init (this torch has no reconfigure API)")
     return ok(f"torch {torch.__version__} (tested {SUPPORTED_RANGE}): the private APIs the etcd3 "
-              f"rendezvous plugin uses are present; {cuda}")
+              f"rendezvous plugin uses are present; in-place re-forms by {reform}; {cuda}")
 
 
 def _port_checks(config: Any) -> list[Check]:

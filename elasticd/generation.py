@@ -59,6 +59,11 @@ class GenerationId:
         """A later re-form of the same round (records of other rounds are never compared)."""
         return self.same_round(other) and self.seq > other.seq
 
+    @property
+    def store_prefix(self) -> str:
+        """The key prefix a group of this generation forms under (one per generation)."""
+        return f"elasticd/{self.epoch or '-'}/{self.round}/{self.seq}/"
+
     def next(self) -> GenerationId:
         return replace(self, seq=self.seq + 1)
 
@@ -137,7 +142,7 @@ class GenerationRecord:
     @property
     def store_prefix(self) -> str:
         """The key prefix this generation's group forms under (one per generation)."""
-        return f"elasticd/{self.id.epoch or '-'}/{self.id.round}/{self.id.seq}/"
+        return self.id.store_prefix
 
     def to_json(self) -> str:
         return json.dumps({

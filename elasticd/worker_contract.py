@@ -54,6 +54,11 @@ KEEP_LAST_RULE = f"keep at least {MIN_KEEP_LAST} checkpoints, {KEEP_LAST_WHY}"
 # daemon's default is in-place.
 RECOVERY_MODES = ("in-place", "restart")
 DEFAULT_RECOVERY_BOUND_S = 5.0
+# How an in-place re-form rebuilds the group. "auto": torch's reconfigure API where the
+# installed torch and the backend have it (gloo on 2.14+, nccl2), chosen by capability at
+# run time, else "destroy-init" (leave the old group, init a new one; torch 2.13, NCCL's
+# legacy backend, a group the script created itself). "destroy-init" forces the fallback.
+REFORM_MECHANISMS = ("auto", "destroy-init")
 
 # etcd credentials reach the agent on its stdin, never in its environment.
 ETCD_AUTH_STDIN_VAR = "ELASTICD_ETCD_AUTH_STDIN"
@@ -139,6 +144,10 @@ class WorkerSettings:
     generation_file: str | None = setting(
         str, "the generation record for these workers (in-place re-forms; the daemon's, or the "
         "etcd3 plugin's with recovery=in-place)")
+    reform: str = setting(
+        str, "how an in-place re-form rebuilds the group: auto (torch's reconfigure where the "
+        "backend has it, else destroy + init) or destroy-init", default="auto",
+        choices=REFORM_MECHANISMS)
     nonfinite_loss_limit: int = setting(
         int, "agreed non-finite losses in a row after which the workers exit as diverged (0: never)",
         default=3, check=_non_negative, expected="an integer >= 0")

@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from trainer import inplace, reform
 from trainer.context import ElasticContext
 from trainer.errors import ConfigError, TrainerError
-from trainer.inplace import CollectiveGuard, Released
+from trainer.inplace import CollectiveGuard, Released, is_nccl
 
 log = structlog.get_logger(__name__)
 
@@ -87,7 +88,7 @@ def choose_backend(backend: str = "auto") -> str:
 
 def device_for(ctx: ElasticContext, backend: str) -> torch.device:
     """The device this worker computes on: ``cuda:LOCAL_RANK`` under NCCL, else CPU."""
-    if backend == "nccl":
+    if is_nccl(backend):
         return torch.device("cuda", ctx.local_rank)
     return torch.device("cpu")
 
@@ -106,6 +107,9 @@ def init_distributed(
     process re-forms the group, see trainer.inplace). ``TORCH_NCCL_BLOCKING_WAIT`` is left unset: with
     async handling it is redundant and would make every wait synchronous. Both are
     set only if the user has not set them. gloo enforces ``timeout`` itself.
+    In in-place mode the group is created so that it can be re-formed by torch's
+    reconfigure API where the installed torch and the backend have it (``trainer.reform``;
+    NCCL then through ``nccl2``), else as always (re-formed by destroy + init).
     Idempotent: a second call returns the device without re-initialising.
     """
     ctx = ctx or ElasticContext.from_env()
@@ -113,30 +117,42 @@ def init_distributed(
         return device_for(ctx, dist.get_backend())
     backend = choose_backend(backend)
     device = device_for(ctx, backend)
-    if backend == "nccl":
+    if is_nccl(backend):
         # In place, a failed collective must leave the process alive to re-form: 2 (clean
         # up the communicator only) instead of 1 (also kill the process).
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2" if ctx.in_place else "1")
         torch.cuda.set_device(device)
+        if ctx.in_place and ctx.reform == "auto" and backend == "nccl":
+            backend = reform.nccl_backend()
     os.environ.setdefault("MASTER_ADDR", ctx.master_addr)
     os.environ.setdefault("MASTER_PORT", str(ctx.master_port))
+    mechanism = reform.DESTROY_INIT
     try:
-        dist.init_process_group(
-            backend=backend,
-            init_method="env://",
-            rank=ctx.rank,
-            world_size=ctx.world_size,
-            timeout=timeout,
-            device_id=device if backend == "nccl" else None,
-        )
-    except (RuntimeError, ValueError) as exc:
+        if ctx.in_place:
+            mechanism = _create_in_place_group(ctx, backend, device, timeout)
+        else:
+            dist.init_process_group(backend=backend, init_method="env://", rank=ctx.rank,
+                                    world_size=ctx.world_size, timeout=timeout,
+                                    device_id=device if is_nccl(backend) else None)
+    except (RuntimeError, ValueError, inplace.ReformError) as exc:
         raise CollectiveError(
             f"could not join the {backend} process group at {ctx.master_addr}:"
             f"{ctx.master_port} as rank {ctx.rank}/{ctx.world_size}: {exc}"
         ) from exc
     log.info("process group ready", backend=backend, rank=ctx.rank,
-             world_size=ctx.world_size, device=str(device), timeout_s=timeout.total_seconds())
+             world_size=ctx.world_size, device=str(device), timeout_s=timeout.total_seconds(),
+             reform=mechanism)
     return device
+
+
+def _create_in_place_group(ctx: ElasticContext, backend: str, device: torch.device,
+                           timeout: timedelta) -> str:
+    """torchrun's world as a group the in-place path can re-form; its mechanism."""
+    store, rank, world_size = next(dist.rendezvous("env://", rank=ctx.rank,
+                                                   world_size=ctx.world_size, timeout=timeout))
+    assert ctx.generation_id is not None  # ctx.in_place says so
+    return reform.create_group(backend, store, rank, world_size, ctx.generation_id, timeout,
+                               device if is_nccl(backend) else None, mechanism=ctx.reform)
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device, **ddp_kwargs) -> DistributedDataParallel:
@@ -176,8 +192,16 @@ def all_reduce(buf: torch.Tensor) -> None:
 
 
 def barrier() -> None:
-    """Wait for every rank; a peer failure becomes CollectiveError."""
-    _collective("barrier", lambda **kw: dist.barrier(**kw))
+    """Wait for every rank; a peer failure becomes CollectiveError.
+
+    An all-reduce of one element, not ``dist.barrier``: gloo's barrier also waits for
+    every collective still in flight on the group, and after a reconfigure
+    (trainer.reform) one that was stuck on a frozen, evicted peer stays in flight until
+    the group's timeout (measured: the final barrier hung there, the survivors' steps done).
+    """
+    device = torch.device("cuda") if is_nccl(dist.get_backend()) else torch.device("cpu")
+    token = torch.zeros(1, device=device)
+    _collective("barrier", lambda **kw: dist.all_reduce(token, **kw))
 
 
 def _collective(what: str, call) -> None:

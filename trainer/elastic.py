@@ -300,8 +300,7 @@ class ElasticState:
         if self._wrapped:
             raise ConfigError("ElasticState.run wraps the model in DDP itself: pass the module "
                               "(not a DistributedDataParallel) to ElasticState")
-        recovery = InPlace(self, torch.distributed.get_backend(), tdist.DEFAULT_TIMEOUT,
-                           ddp_kwargs, on_world=self._reshard)
+        recovery = InPlace(self, tdist.DEFAULT_TIMEOUT, ddp_kwargs, on_world=self._reshard)
         self.progress.publish_generation = self.ctx.in_place  # the daemons may re-form it
         recovery.install_guard()
         model = recovery.wrap(self.state.model)

@@ -196,6 +196,11 @@ class CollectiveGuard:
         return False
 
 
+def is_nccl(backend: str) -> bool:
+    """Every name torch gives an NCCL backend (``nccl``, ``nccl2``, ``nccl-legacy``, ...)."""
+    return str(backend).lower().startswith("nccl")
+
+
 def bounded(fn: Callable[[], Any], seconds: float, what: str) -> Any:
     """``fn()`` in a thread, given up after ``seconds`` (ReformError); its error re-raised.
 
@@ -226,7 +231,7 @@ def abandon_group(retain: list[object], backend: str, seconds: float) -> None:
         return
     pg = dist.group.WORLD
     retain.append(pg)
-    device = torch.device("cuda" if backend == "nccl" else "cpu")
+    device = torch.device("cuda" if is_nccl(backend) else "cpu")
 
     def abort() -> None:
         with contextlib.suppress(RuntimeError, AttributeError, NotImplementedError):
@@ -240,6 +245,21 @@ def abandon_group(retain: list[object], backend: str, seconds: float) -> None:
 ARRIVED_KEY = "elasticd.arrived"
 
 
+def store_client(record: GenerationRecord, seconds: float) -> Any:
+    """A client of the store ``record`` names (the whole store, no prefix)."""
+    if record.store is None:
+        raise ReformError(f"generation {record.id} names no store to form through")
+    host, _, port = record.store.rpartition(":")
+    return bounded(lambda: dist.TCPStore(host, int(port), is_master=False,
+                                         timeout=timedelta(seconds=max(seconds, 0.1))),
+                   seconds, f"connecting to generation {record.id}'s store at {record.store}")
+
+
+def generation_store(record: GenerationRecord, seconds: float) -> Any:
+    """A client of the store ``record`` names, under the generation's own prefix."""
+    return dist.PrefixStore(record.store_prefix, store_client(record, seconds))
+
+
 def join_group(record: GenerationRecord, rank: int, backend: str, device: torch.device,
                timeout: timedelta, seconds: float,
                newer: Callable[[], GenerationRecord | None] = lambda: None) -> None:
@@ -247,41 +267,36 @@ def join_group(record: GenerationRecord, rank: int, backend: str, device: torch.
 
     ``newer()``: a generation that supersedes ``record`` (``Superseded`` is raised if one
     appears before every member has arrived)."""
-    if record.store is None:
-        raise ReformError(f"generation {record.id} names no store to form through")
-    host, _, port = record.store.rpartition(":")
     deadline = time.monotonic() + seconds
-    store = bounded(lambda: dist.TCPStore(host, int(port), is_master=False,
-                                          timeout=timedelta(seconds=max(seconds, 0.1))),
-                    seconds, f"connecting to generation {record.id}'s store at {record.store}")
-    prefixed = dist.PrefixStore(record.store_prefix, store)
-    await_members(prefixed, record, deadline, newer)
+    prefixed = generation_store(record, seconds)
+    await_members(prefixed, record.world_size, f"generation {record.id}", deadline, newer)
 
     def init() -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend=backend, store=prefixed, rank=rank,
                                 world_size=record.world_size, timeout=timeout,
-                                device_id=device if backend == "nccl" else None)
+                                device_id=device if device.type == "cuda" else None)
 
     bounded(init, deadline - time.monotonic(), f"joining generation {record.id} at {record.store}")
 
 
-def await_members(store: Any, record: GenerationRecord, deadline: float,
+def await_members(store: Any, world_size: int, what: str, deadline: float,
                   newer: Callable[[], GenerationRecord | None]) -> None:
-    """Wait until every member of ``record`` has arrived in its store, or a newer record
-    supersedes it (``Superseded``). The wait is here, in Python, because gloo's rendezvous
-    inside ``init_process_group`` cannot be cut short: a member that never comes (frozen,
-    its loss not yet decided when ``record`` was agreed) held the others there until the
-    bound, and the re-form fell back to a restart (seen in the goodput run: a crash 1.4 s
-    after another node went silent, 8.3 s and 14 steps lost)."""
+    """Count this member as arrived in ``store`` and wait until all ``world_size`` have,
+    or a newer record supersedes the one being formed (``Superseded``). The wait is here,
+    in Python, because gloo's rendezvous inside ``init_process_group`` (and inside a
+    reconfigure) cannot be cut short: a member that never comes (frozen, its loss not yet
+    decided when the record was agreed) held the others there until the bound, and the
+    re-form fell back to a restart (seen in the goodput run: a crash 1.4 s after another
+    node went silent, 8.3 s and 14 steps lost)."""
     store.add(ARRIVED_KEY, 1)
-    while (arrived := store.add(ARRIVED_KEY, 0)) < record.world_size:
+    while (arrived := store.add(ARRIVED_KEY, 0)) < world_size:
         if (later := newer()) is not None:
             raise Superseded(later)
         if time.monotonic() >= deadline:
-            raise ReformError(f"{arrived} of the {record.world_size} members of generation "
-                              f"{record.id} arrived within the bound")
+            raise ReformError(f"{arrived} of the {world_size} members of {what} arrived "
+                              "within the bound")
         time.sleep(POLL_S)
 
 

@@ -27,7 +27,7 @@ import torch
 from checkpointing.errors import StaleGenerationError
 from elasticd.generation import GenerationRecord
 from trainer import dist as tdist
-from trainer import inplace
+from trainer import inplace, reform
 
 if TYPE_CHECKING:
     from trainer.elastic import ElasticState
@@ -39,18 +39,24 @@ class InPlace:
     """The re-form of ``es``'s group in place; ``on_world()`` is called once the new
     rank and world size are in ``es.ctx`` (a loop's batch layout follows them there)."""
 
-    def __init__(self, es: ElasticState, backend: str, timeout: timedelta,
+    def __init__(self, es: ElasticState, timeout: timedelta,
                  ddp_kwargs: dict[str, Any] | None = None,
                  on_world: Callable[[], None] | None = None) -> None:
         self.es = es
-        self.backend = backend
         self.timeout = timeout
         self.ddp_kwargs = dict(ddp_kwargs or {})
         self.on_world = on_world or (lambda: None)
+        self.mechanism = ""  # the last re-form's (trainer.reform)
 
     @property
     def enabled(self) -> bool:
         return self.es.ctx.in_place
+
+    @property
+    def backend(self) -> str:
+        """The backend of the group at hand (``nccl2`` where a reconfigurable NCCL group
+        was created: the script's choice said ``nccl``)."""
+        return str(torch.distributed.get_backend())
 
     def wrap(self, model: torch.nn.Module, reformed: bool = False) -> torch.nn.Module:
         """``model`` in DDP over the current group (its collectives through the guard).
@@ -102,9 +108,9 @@ class InPlace:
             return None
         took = time.monotonic() - started
         es.report("reformed", from_world_size=from_world, duration_s=round(took, 4),
-                  cause=cause, lost=list(record.lost))
-        log.info(f"re-formed in place in {took:.3f} s: rank {es.ctx.rank} of "
-                 f"{es.ctx.world_size} in generation {record.id} (was {from_world} in "
+                  cause=cause, lost=list(record.lost), mechanism=self.mechanism)
+        log.info(f"re-formed in place in {took:.3f} s by {self.mechanism}: rank {es.ctx.rank} "
+                 f"of {es.ctx.world_size} in generation {record.id} (was {from_world} in "
                  f"{from_gen}); redoing step {es.state.step + 1}")
         return ddp
 
@@ -118,15 +124,19 @@ class InPlace:
         record = inplace.GenerationWatch(ctx.generation_file, ctx.generation_id).wait(deadline)
         rank = self._rank_in(record)
         tdist.install_guard(None)
-        tdist.retain(ddp)
         assert es.agreement is not None
         es.agreement.discard()  # the old group's; stop requests are re-sent (sticky)
-        inplace.abandon_group(tdist.RETAINED, self.backend, left())
+        backend = self.backend
+        mechanism = reform.mechanism_for(backend, tdist.RETAINED)
+        self.mechanism = mechanism.name
+        if mechanism.name == reform.DESTROY_INIT:
+            tdist.retain(ddp)  # its reducer would destroy the abandoned group: see tdist.shutdown
+        mechanism.leave(left())
         while True:
             watch = inplace.GenerationWatch(ctx.generation_file, record.id)
             try:
-                inplace.join_group(record, rank, self.backend, es.device, self.timeout, left(),
-                                   newer=watch.newer)
+                mechanism.join(record, rank, backend, es.device, self.timeout, left(),
+                               newer=watch.newer)
                 break
             except inplace.Superseded as exc:
                 log.warning(f"generation {exc.record.id} was agreed while joining {record.id} "

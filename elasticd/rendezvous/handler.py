@@ -16,6 +16,11 @@
                                 ELASTICD_ETCD_USER / ELASTICD_ETCD_PASSWORD
     join_timeout, last_call_timeout, close_timeout, heartbeat_timeout,
     keep_alive_interval, keep_alive_max_attempt    torch's dynamic rendezvous knobs
+    cas_backoff_max_seconds     rounds=torch on torch >= 2.15: after a lost compare-and-set of
+                                the shared state, an agent waits a random 0..N seconds before
+                                the next try (spreads the agents under contention); torch's
+                                default 0 when unset; ignored with a warning on older torch
+                                and by keyed rounds, which have no shared state to contend on
     recovery=restart|in-place   after a lost peer agent: restart the workers (torch's way,
                                 the default), or let the survivors re-form their group in
                                 place (companion.py; needs the trainer library; each agent
@@ -34,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import select
 import socket
@@ -63,7 +69,7 @@ from elasticd.rendezvous.keyed import KeyedRendezvousHandler
 from elasticd.rendezvous.keys import DEFAULT_ROOT, DEFAULT_ROUNDS, ROUNDS, JobKeys
 from elasticd.rendezvous.rounds import Rules
 from elasticd.rendezvous.store import EtcdV3Store
-from elasticd.rendezvous.torch_compat import check_torch_apis
+from elasticd.rendezvous.torch_compat import check_torch_apis, supports_cas_backoff
 from elasticd.worker_contract import RECOVERY_MODES
 
 if TYPE_CHECKING:
@@ -77,11 +83,13 @@ log = structlog.get_logger(__name__)
 _SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _TIMEOUT_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout")
 _KEEP_ALIVE_KEYS = ("keep_alive_interval", "keep_alive_max_attempt")
+_CAS_BACKOFF_KEY = "cas_backoff_max_seconds"  # torch 2.15+
 _OWN_KEYS = ("rounds", "recovery", "key_prefix", "ttl", "read_timeout", "retry_timeout",
              "protocol", "ca_cert", "ssl_cert", "ssl_cert_key", "user", "password")
 # Keys torchrun itself puts into the config; not ours to judge.
 _TORCHRUN_KEYS = ("timeout", "rank", "is_host", "local_addr")
-KNOWN_KEYS = frozenset(_OWN_KEYS + _TIMEOUT_KEYS + _KEEP_ALIVE_KEYS + _TORCHRUN_KEYS)
+KNOWN_KEYS = frozenset(_OWN_KEYS + _TIMEOUT_KEYS + _KEEP_ALIVE_KEYS + _TORCHRUN_KEYS
+                       + (_CAS_BACKOFF_KEY,))
 
 AUTH_STDIN_ENV = "ELASTICD_ETCD_AUTH_STDIN"
 USER_ENV = "ELASTICD_ETCD_USER"
@@ -229,7 +237,35 @@ def _positive_int(params: RendezvousParameters, key: str, default: int) -> int:
     return value
 
 
+def _cas_backoff(params: RendezvousParameters) -> float | None:
+    raw = params.get(_CAS_BACKOFF_KEY)
+    if raw is None or str(raw).strip() == "":
+        return None
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = -1.0
+    if not (value >= 0 and math.isfinite(value)):
+        raise ConfigError(f"rdzv-conf {_CAS_BACKOFF_KEY}={raw!r} must be a number of seconds "
+                          f">= 0; e.g. {_CAS_BACKOFF_KEY}=0.5")
+    return value
+
+
+def cas_backoff_kwargs(params: RendezvousParameters) -> dict[str, float]:
+    """``from_backend``'s ``cas_backoff_max_seconds`` when set and the installed torch has it
+    (2.15+); nothing otherwise (torch's default), with a warning if it was set in vain."""
+    value = _cas_backoff(params)
+    if value is None:
+        return {}
+    if not supports_cas_backoff():
+        log.warning(f"rdzv-conf {_CAS_BACKOFF_KEY} is ignored: this torch's dynamic rendezvous "
+                    "has no compare-and-set backoff (torch >= 2.15 has it)")
+        return {}
+    return {_CAS_BACKOFF_KEY: value}
+
+
 def _check_torch_knobs(params: RendezvousParameters) -> None:
+    _cas_backoff(params)
     for key in _TIMEOUT_KEYS + _KEEP_ALIVE_KEYS:
         _positive_int(params, key, 1)
     interval = _positive_int(params, "keep_alive_interval", 5)
@@ -420,6 +456,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     handler = EtcdV3RendezvousHandler.from_backend(
         params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr,
         timeout, keep_alive_interval=interval, keep_alive_max_attempt=attempts,
+        **cas_backoff_kwargs(params),
     )
     handler.companion = companion
     return handler

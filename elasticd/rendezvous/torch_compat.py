@@ -17,10 +17,14 @@ from elasticd.errors import ElasticdError
 
 log = structlog.get_logger(__name__)
 
-# Tested: 2.13.0. The names below are what the range is about; widen it only after the
-# rendezvous tests pass on the new version.
-SUPPORTED_RANGE = ">=2.13,<2.14"
-_SUPPORTED = ((2, 13), (2, 14))
+# Tested: 2.13.0 (the default lane) and 2.14.1 (`make compat`); 2.15 by the same lane where
+# the machine's pip allows it (`make compat COMPAT_TORCH=2.15.0`). torch's
+# dynamic_rendezvous is byte-identical in 2.13 and 2.14; 2.15 adds only
+# RendezvousSettings.cas_backoff_max_seconds (see ``supports_cas_backoff``). The names below
+# are what the range is about; widen it only after the rendezvous tests pass on the new
+# version. The range in pyproject.toml is the same one.
+SUPPORTED_RANGE = ">=2.13,<2.16"
+_SUPPORTED = ((2, 13), (2, 16))
 
 _DYN = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
 # (module, dotted attribute, why we need it)
@@ -89,6 +93,42 @@ def check_torch_apis() -> None:
     if not _in_range(version):
         log.warning("torch version outside the tested range; the private APIs are present",
                     torch=version, supported=SUPPORTED_RANGE)
+
+
+def supports_cas_backoff() -> bool:
+    """torch 2.15's ``from_backend(..., cas_backoff_max_seconds=)``: decided by the signature
+    of the installed torch, not by its version string."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
+
+    try:
+        params = inspect.signature(dyn.DynamicRendezvousHandler.from_backend).parameters
+    except (TypeError, ValueError):
+        return False
+    return "cas_backoff_max_seconds" in params
+
+
+def reconfigure_api() -> bool:
+    """torch 2.14's process-group reconfigure API (``init_process_group(enable_reconfigure=)``,
+    ``_reconfigure``, ``_get_reconfigure_handle``, ``_supports_reconfigure``): asked of the
+    installed torch, not of its version string. The in-place re-form uses it where a
+    backend supports it (``trainer.reform``)."""
+    import torch.distributed as dist
+
+    names = ("_reconfigure", "_get_reconfigure_handle", "_supports_reconfigure")
+    if not all(hasattr(dist, n) for n in names):
+        return False
+    try:
+        params = inspect.signature(dist.init_process_group).parameters
+    except (TypeError, ValueError):
+        return False
+    return "enable_reconfigure" in params
+
+
+def nccl2_backend() -> bool:
+    """torch registers ``nccl2`` (its reconfigurable NCCL backend) as a backend of its own."""
+    from importlib.metadata import entry_points
+
+    return any(e.name == "nccl2" for e in entry_points(group="torch.distributed.backends"))
 
 
 def _missing_fields() -> list[str]:

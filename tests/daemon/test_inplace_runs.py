@@ -26,6 +26,7 @@ from tests.daemon.runs import (
 )
 from tests.daemon_nodes import DaemonNode, agent_events, log_lines, stepping_at, stop_nodes, wait_for
 from tests.oracle import Run, replay, step_history
+from trainer import reform
 
 pytestmark = pytest.mark.inplace
 
@@ -84,6 +85,7 @@ def _in_place(survivors: list[DaemonNode], lost: str, since: float) -> None:
         reformed = agent_events(node, "reformed")
         assert len(reformed) == 1, node.log_tail()
         assert reformed[0]["lost"] == [lost]
+        assert reformed[0]["mechanism"] == reform.planned_mechanism("gloo")
         assert not [r for r in progress_records(node) if r["event"] == "resumed" and r["time"] > since]
         sentences = [e["event"] for e in log_lines(node)]
         assert any("in place" in s for s in sentences), sentences[-20:]

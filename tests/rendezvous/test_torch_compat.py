@@ -51,3 +51,37 @@ def test_the_plugin_checks_at_start(monkeypatch):
     monkeypatch.delattr(dyn, "_remove_participant_epilogue")
     with pytest.raises(TorchCompatError, match="_remove_participant_epilogue"):
         handler.create_handler(RendezvousParameters("etcd3", "127.0.0.1:1", "job-1", 1, 2))
+
+
+def _params(**conf):
+    return RendezvousParameters("etcd3", "127.0.0.1:1", "job-1", 1, 2, **conf)
+
+
+def test_cas_backoff_is_forwarded_where_torch_has_it(monkeypatch):
+    def from_backend(cls, run_id, store, backend, min_nodes, max_nodes, local_addr=None,
+                     timeout=None, keep_alive_interval=5, keep_alive_max_attempt=3,
+                     cas_backoff_max_seconds=0.0):  # torch 2.15's signature
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(dyn.DynamicRendezvousHandler, "from_backend", classmethod(from_backend))
+    assert torch_compat.supports_cas_backoff()
+    assert handler.cas_backoff_kwargs(_params(cas_backoff_max_seconds="0.5")) == {
+        "cas_backoff_max_seconds": 0.5}
+    assert handler.cas_backoff_kwargs(_params()) == {}
+
+
+def test_cas_backoff_is_left_out_where_torch_lacks_it(monkeypatch):
+    def from_backend(cls, run_id, store, backend, min_nodes, max_nodes, local_addr=None,
+                     timeout=None, keep_alive_interval=5, keep_alive_max_attempt=3):  # <= 2.14
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(dyn.DynamicRendezvousHandler, "from_backend", classmethod(from_backend))
+    assert not torch_compat.supports_cas_backoff()
+    assert handler.cas_backoff_kwargs(_params(cas_backoff_max_seconds="0.5")) == {}
+
+
+@pytest.mark.parametrize("bad", ["-1", "soon", "nan", "inf"])
+def test_a_bad_cas_backoff_names_the_key_and_an_example(bad):
+    with pytest.raises(ElasticdError, match=r"cas_backoff_max_seconds=.* must be a number of "
+                                            r"seconds >= 0; e\.g\. cas_backoff_max_seconds=0\.5"):
+        handler.parse_params(_params(cas_backoff_max_seconds=bad))

@@ -19,6 +19,7 @@ import pytest
 from tests.daemon.runs import by_rank, completed, final_matches_replay, lose_one, progress_records
 from tests.oracle import Run, replay, step_history
 from tests.torchrun_nodes import FAST_RDZV_CONF, TorchrunNode, wait_until
+from trainer import reform
 
 pytestmark = pytest.mark.inplace
 
@@ -68,6 +69,7 @@ def _reformed_in_place(survivors: list[TorchrunNode], victim: TorchrunNode, sinc
         reformed = [r for r in records if r["event"] == "reformed"]
         assert len(reformed) == 1, node.log_tail()
         assert reformed[0]["lost"] == [lost]
+        assert reformed[0]["mechanism"] == reform.planned_mechanism("gloo")
         assert not [r for r in records if r["event"] == "resumed" and r["time"] > since], \
             "a survivor's workers were restarted"
         # The agent's one sentence (its log is torchrun's console output, not JSON lines).

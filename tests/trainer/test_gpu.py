@@ -56,3 +56,38 @@ def test_nccl_survivors_reform_in_place_after_a_rank_is_killed(tmp_path):
         _final_matches_the_replay(world, "n0", 60)
     finally:
         world.close()
+
+
+def test_an_nccl_group_reconfigures_where_torch_can(monkeypatch):
+    """One GPU, one rank: the group is created the way ``auto`` plans for NCCL (reconfigurable
+    through ``nccl2`` where torch has it, else destroy + init), steps, and re-forms into the
+    next generation through a store hosted here (a survivor's daemon's, in a real job)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from elasticd.generation import GenerationId, GenerationRecord, renumber
+    from trainer import reform
+
+    timeout = timedelta(seconds=30)
+    world = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    nxt = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    backend = reform.nccl_backend()
+    try:
+        got = reform.create_group(backend, world, 0, 1, GenerationId(0, 0, "g"), timeout, device)
+        assert got == reform.planned_mechanism("nccl")
+        x = torch.ones(4, device=device)
+        dist.all_reduce(x)
+        record = GenerationRecord(GenerationId(0, 1, "g"), renumber([("n0", 1)]),
+                                  store=f"127.0.0.1:{nxt.port}")
+        mech = reform.mechanism_for(backend, [])
+        mech.leave(10.0)
+        mech.join(record, 0, backend, device, timeout, 10.0, newer=lambda: None)
+        dist.all_reduce(x)
+        assert x.sum().item() == 4.0
+    finally:
+        from trainer import dist as tdist
+
+        tdist.shutdown()

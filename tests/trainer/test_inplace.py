@@ -37,6 +37,7 @@ from tests.oracle import (
     step_history,
 )
 from tests.trainer.launch import EXAMPLES, json_lines
+from trainer import reform
 from trainer.examples import regression
 
 RUN = Run(samples=240, batch=4, lr=0.05, seed=5, data_seed=99, momentum=0.9)
@@ -159,8 +160,17 @@ def _final_matches_the_replay(world: World, survivor: str, final: int) -> dict:
     return history
 
 
-def _reformed(worker: Worker) -> list[dict]:
-    return [r for r in worker.progress() if r["event"] == "reformed"]
+# The mechanism this torch re-forms with (trainer.reform): torch's reconfigure API where it
+# has one (the torch 2.14+ lane), destroy + init on 2.13 (the default lane).
+MECHANISM = reform.planned_mechanism("gloo")
+
+
+def _reformed(worker: Worker, mechanism: str = MECHANISM) -> list[dict]:
+    """The worker's re-forms, each by ``mechanism`` (a script that creates its own group,
+    as ddp_inplace.py does, re-forms by destroy + init on any torch)."""
+    events = [r for r in worker.progress() if r["event"] == "reformed"]
+    assert all(e["mechanism"] == mechanism for e in events), events
+    return events
 
 
 def test_rank0_lost_survivors_reform_in_place_and_match_the_replay(world_of):
@@ -288,7 +298,7 @@ def test_a_hand_written_loop_on_state_run_reforms_in_place_and_matches_the_repla
     records = world.worker("n1").progress()
     assert not [r for r in records if r["event"] in ("resumed", "reform-failed")]
     for node, rank in (("n1", 0), ("n2", 1)):
-        (event,) = _reformed(world.worker(node))
+        (event,) = _reformed(world.worker(node), reform.DESTROY_INIT)
         assert (event["rank"], event["world_size"], event["from_world_size"]) == (rank, 2, 3)
     args, history = _dropin_matches_the_replay(world, "n1")
     # The scheduler went on across the re-form, rescaled to the world (linear rule, base
@@ -312,7 +322,7 @@ def test_a_hand_written_loop_blocked_on_a_frozen_peer_is_released_by_the_record(
     world.lose("n1")
     assert world.wait("n0") == 0 and world.wait("n2") == 0
     for node in ("n0", "n2"):
-        (event,) = _reformed(world.worker(node))
+        (event,) = _reformed(world.worker(node), reform.DESTROY_INIT)
         assert (event["cause"], event["world_size"]) == ("released", 2)
     _dropin_matches_the_replay(world, "n0")
 
