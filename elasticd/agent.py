@@ -138,6 +138,7 @@ def worker_settings(config: Config, files: RunFiles) -> WorkerSettings:
         daemon_pid=os.getpid(),
         recovery_mode=config.recovery.mode,
         recovery_bound_s=config.recovery.bound_s,
+        reform=config.recovery.reform,
         generation_file=str(files.generation),
         nonfinite_loss_limit=config.supervisor.nonfinite_loss_limit,
     )

@@ -29,6 +29,7 @@ from elasticd.worker_contract import (
     KEEP_LAST_RULE,
     LR_RULES,
     RECOVERY_MODES,
+    REFORM_MECHANISMS,
     is_valid_keep_last,
 )
 
@@ -233,10 +234,13 @@ class RecoveryConfig:
     mode: str = "in-place"
     bound_s: float = DEFAULT_RECOVERY_BOUND_S   # longest a re-form may take (worker side)
     store_port: int = 0                         # the daemon's TCP store; 0 = ephemeral
+    reform: str = "auto"    # torch's reconfigure where it can (trainer/reform.py), or destroy-init
 
     def __post_init__(self) -> None:
         _require(self.mode in RECOVERY_MODES, "recovery.mode", self.mode,
                  f"use one of {', '.join(repr(m) for m in RECOVERY_MODES)}")
+        _require(self.reform in REFORM_MECHANISMS, "recovery.reform", self.reform,
+                 f"use one of {', '.join(repr(m) for m in REFORM_MECHANISMS)}")
         _require(0 < self.bound_s <= 600, "recovery.bound_s", self.bound_s,
                  "use seconds in (0, 600] (the longest an in-place re-form may take)")
         _require(0 <= self.store_port < 65536, "recovery.store_port", self.store_port,
