@@ -5,8 +5,9 @@ TORCH ?= 2.13.0
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# The second torch CI proves (2.14.1: the newest this machine's pip allows; on a machine
-# without that cap, `make compat COMPAT_TORCH=2.15.0` runs the same lane on 2.15).
+# The second torch CI proves (2.14.1: the newest this machine's pip allows). The same lane on
+# 2.15: `make compat COMPAT_TORCH=2.15.0` (where pip caps torch, as here, prefix
+# PIP_CONSTRAINT=/dev/null to lift the cap for that command alone).
 COMPAT_TORCH ?= 2.14.1
 # What a torch version can break: the rendezvous (plugin end to end, store contract, torch's
 # private APIs), the in-place re-form (trainer and daemon runs) and the drop-in loops.

@@ -134,7 +134,7 @@ def run_loss(tmp: Path, mechanism: str, victim_rank0: bool) -> dict:
             "victim": f"n{victim}", "rank0": victim_rank0,
             "to_first_step_s": max(first_new(i)["time"] for i in survivors) - agreed,
             "reformed_s": max(r.get("duration_s", float("nan")) for r in reformed),
-            "mechanism": sorted({r.get("mechanism") for r in reformed}),
+            "used": sorted({r.get("mechanism") for r in reformed}),
             "step_s": statistics.median(b - a for a, b in zip(old[-10:], old[-9:], strict=False)),
         }
     finally:
@@ -182,11 +182,12 @@ def run_grow(tmp: Path, mechanism: str, state_mb: float, after: int) -> dict:
         handover = max(r["handover_s"] for r in res.values())
         return {
             "pause_s": first_new - last_old,
-            "reformed_s": max(r["reformed_s"] for r in res.values()),
+            # the founders' (the newcomer waited from the record's publication on)
+            "reformed_s": max(res[n]["reformed_s"] for n in ("n0", "n1")),
             "handover_s": handover,
             "state_bytes": res["n0"]["state_bytes"],
             "bandwidth_Bps": res["n0"]["state_bytes"] / handover if handover > 0 else None,
-            "mechanism": sorted({r["mechanism"] for r in res.values()}),
+            "used": sorted({r["mechanism"] for r in res.values()}),
             "step_s": statistics.median(b - a for a, b in zip(old[-10:], old[-9:], strict=False)),
         }
     finally:
@@ -229,8 +230,10 @@ def summarize(runs: list[dict], meta: dict) -> str:
              f"Run: `{meta['command']}` at commit {meta['commit']}, {meta['when']}; seeds "
              f"{meta['seeds']}, {meta['reps']} repetitions each, both mechanisms in every "
              "repetition (alternating first). Medians (min-max), seconds.", ""]
-    ok = [r for r in runs if "error" not in r]
+    ok = [r for r in runs if "error" not in r and r.get("used") == [r["mechanism"]]]
     lines += ["## Loss (real trainer, 3 -> 2): agreed generation to the first step", "",
+              "The first step's own compute is inside the figure (one step: the step time "
+              "column).", "",
               "| mechanism | runs | to first step | workers' re-form | step time | "
               f"target <= {LOSS_BUDGET_S} s |", "|---|---|---|---|---|---|"]
     for m in MECHANISMS:
@@ -242,28 +245,35 @@ def summarize(runs: list[dict], meta: dict) -> str:
                      f"{_stats([r['reformed_s'] for r in cell])} | "
                      f"{_stats([r['step_s'] for r in cell])} | {verdict} |")
     lines += ["", "## Grow prototype (2 -> 3, a warm newcomer, state from rank 0)", "",
-              "| mechanism | state | runs | pause | re-form | hand-over | link | "
-              "target: 0.2 s + bytes/link | verdict |", "|---|---|---|---|---|---|---|---|---|"]
+              "pause: the last founder's last step of the world of 2 to the last member's "
+              "first step of the world of 3; beyond a step: the pause less one step time (the "
+              "first step's own compute). The link is the hand-over's bytes over its time "
+              "(serialisation included), so the target asks that everything but the state's "
+              "transfer fit in 0.2 s.", "",
+              "| mechanism | state moved | runs | pause | beyond a step | re-form | hand-over | "
+              "link | target: 0.2 s + bytes/link | verdict |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for mb in sorted({r["state_mb"] for r in runs if r["scenario"] == "grow"}):
         for m in MECHANISMS:
             cell = [r for r in ok if r["scenario"] == "grow" and r["mechanism"] == m
                     and r["state_mb"] == mb]
             if not cell:
-                lines.append(f"| {m} | {mb:g} MB | 0 | - | - | - | - | - | - |")
+                lines.append(f"| {m} | {2 * mb:g} MB | 0 | - | - | - | - | - | - | - |")
                 continue
             bw = statistics.median(r["bandwidth_Bps"] for r in cell if r["bandwidth_Bps"])
             target = JOIN_BASE_S + cell[0]["state_bytes"] / bw
-            pause = [r["pause_s"] for r in cell]
-            verdict = "met" if statistics.median(pause) <= target else "missed"
-            lines.append(f"| {m} | {mb:g} MB | {len(cell)} | {_stats(pause)} | "
+            beyond = [r["pause_s"] - r["step_s"] for r in cell]
+            verdict = "met" if statistics.median(beyond) <= target else "missed"
+            lines.append(f"| {m} | {cell[0]['state_bytes'] / 2**20:.0f} MiB | {len(cell)} | "
+                         f"{_stats([r['pause_s'] for r in cell])} | {_stats(beyond)} | "
                          f"{_stats([r['reformed_s'] for r in cell])} | "
                          f"{_stats([r['handover_s'] for r in cell])} | {bw / 1e6:.0f} MB/s | "
                          f"{target:.3f} | {verdict} |")
-    errors = [r for r in runs if "error" in r]
+    errors = [r for r in runs if r not in ok]
     if errors:
         lines += ["", "## Runs without a result", ""]
         lines += [f"- seed {r['seed']} rep {r['rep']} {r['scenario']} {r['mechanism']}: "
-                  f"{r['error']}" for r in errors]
+                  f"{r.get('error') or 'ran by ' + str(r.get('used'))}" for r in errors]
     return "\n".join(lines) + "\n"
 
 
@@ -275,7 +285,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="model sizes of the grow prototype (the state moved is twice this)")
     p.add_argument("--out", default="benchmarks/results/reform",
                    help="writes OUT.json and OUT.md")
+    p.add_argument("--summarize", metavar="JSON", help="only render JSON's runs as OUT.md")
     args = p.parse_args(argv)
+    if args.summarize:
+        data = json.loads(Path(args.summarize).read_text())
+        Path(args.out).with_suffix(".md").write_text(summarize(data["runs"], data["meta"]))
+        return 0
     started = time.time()
     runs = run_all(args.seeds, args.reps, args.state_mb)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,

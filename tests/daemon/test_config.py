@@ -24,6 +24,7 @@ def test_minimal_config_has_sane_defaults():
     assert c.etcd.endpoints == ("127.0.0.1:2379",)
     assert c.checkpoint.keep_last == 3
     assert (c.recovery.mode, c.recovery.bound_s, c.recovery.store_port) == ("in-place", 5.0, 0)
+    assert c.recovery.reform == "auto"
 
 
 @pytest.mark.parametrize("sections, message", [
@@ -47,6 +48,8 @@ def test_minimal_config_has_sane_defaults():
     ({"recovery": {"mode": "inplace"}}, "recovery.mode = 'inplace' is not valid: use one of 'in-place'"),
     ({"recovery": {"bound_s": 0}}, "recovery.bound_s = 0 is not valid"),
     ({"recovery": {"store_port": 70000}}, "recovery.store_port = 70000 is not valid: use 0"),
+    ({"recovery": {"reform": "reconfigure"}},
+     "recovery.reform = 'reconfigure' is not valid: use one of 'auto', 'destroy-init'"),
     ({"recovery": {"bound_s": "5"}}, "write it without quotes: bound_s = 5"),
 ])
 def test_bad_values_are_named_with_a_fix(sections, message):
