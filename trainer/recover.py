@@ -123,13 +123,14 @@ class InPlace:
         assert ctx.generation_file is not None and ctx.generation_id is not None
         record = inplace.GenerationWatch(ctx.generation_file, ctx.generation_id).wait(deadline)
         rank = self._rank_in(record)
-        tdist.install_guard(None)
         assert es.agreement is not None
         es.agreement.discard()  # the old group's; stop requests are re-sent (sticky)
         backend = self.backend
-        mechanism = reform.mechanism_for(backend, tdist.RETAINED)
+        released = tdist.guard_released() is not None  # collectives may still be stuck
+        tdist.install_guard(None)
+        mechanism = reform.mechanism_for(backend, tdist.RETAINED, released)
         self.mechanism = mechanism.name
-        if mechanism.name == reform.DESTROY_INIT:
+        if mechanism.name != reform.RECONFIGURE:
             tdist.retain(ddp)  # its reducer would destroy the abandoned group: see tdist.shutdown
         mechanism.leave(left())
         while True:

@@ -47,6 +47,9 @@ log = structlog.get_logger(__name__)
 
 RECONFIGURE = "reconfigure"
 DESTROY_INIT = "destroy-init"
+# A reconfigurable group whose collectives may be stuck (gloo, after the guard released the
+# waiters on a frozen peer) is left and a new reconfigurable one created (``Renew``).
+RENEW = "renew"
 
 # Under a generation's store prefix: each member's reconfigure handle, by its new rank.
 HANDLE_KEY = "elasticd.handle/"
@@ -193,10 +196,37 @@ class Reconfigure:
             left, f"reconfiguring the group for generation {gen}")
 
 
-def mechanism_for(backend: str, retain: list[object]) -> Mechanism:
-    """The mechanism the current default group was created for (``create_group``)."""
+class Renew(DestroyInit):
+    """Leave the old group (as destroy + init does) and create a new reconfigurable one
+    in the generation, beside members that reconfigure theirs (both meet in its store).
+
+    Why: a gloo group runs its collectives on two worker threads, and a collective stuck
+    on a frozen peer keeps its thread until the group's timeout; with two stuck (the
+    stop agreement in flight and a gradient bucket: the usual case after a release) the
+    reconfigure itself never runs (measured on 2.14.1: it hung until the bound, abort()
+    did not free them). A new group has threads of its own."""
+
+    name = RENEW
+
+    def join(self, record: GenerationRecord, rank: int, backend: str, device: torch.device,
+             timeout: timedelta, seconds: float,
+             newer: Callable[[], GenerationRecord | None]) -> None:
+        if dist.is_initialized():  # made by an earlier try, whose record was superseded
+            mechanism_for(backend, self.retain).join(record, rank, backend, device, timeout,
+                                                     seconds, newer)
+            return
+        join_as_newcomer(record, rank, backend, device, timeout, seconds, newer=newer)
+
+
+def mechanism_for(backend: str, retain: list[object], released: bool = False) -> Mechanism:
+    """The mechanism for the current default group: reconfigure it where it was created
+    reconfigurable (``create_group``), unless its collectives may be stuck (``released``:
+    the guard let go of waiters on a frozen peer; gloo only, nccl2's reconfigure tears the
+    old communicator down): then ``Renew``; destroy + init for any other group."""
     store = _CREATED.get("store")
     if store is not None and dist.is_initialized() and dist._supports_reconfigure():
+        if released and not inplace.is_nccl(backend):
+            return Renew(backend, retain)
         return Reconfigure(store)
     return DestroyInit(backend, retain)
 
@@ -207,7 +237,8 @@ _CREATED: dict[str, GenerationStore] = {}
 
 def create_group(backend: str, world_store: dist.Store, rank: int, world_size: int,
                  gen: GenerationId, timeout: timedelta, device_id: torch.device | None,
-                 mechanism: str = "auto") -> str:
+                 mechanism: str = "auto",
+                 newer: Callable[[], GenerationRecord | None] = lambda: None) -> str:
     """Create the default group of generation ``gen`` through ``world_store`` (its keys
     under the generation's prefix); the re-form mechanism it allows.
 
@@ -229,25 +260,26 @@ def create_group(backend: str, world_store: dist.Store, rank: int, world_size: i
     _CREATED["store"] = store
     Reconfigure(store).form(dist.PrefixStore(gen.store_prefix, world_store), gen, rank,
                             world_size, time.monotonic() + timeout.total_seconds(),
-                            lambda: None, timeout)
+                            newer, timeout)
     return RECONFIGURE
 
 
 def join_as_newcomer(record: GenerationRecord, rank: int, backend: str,
                      device: torch.device, timeout: timedelta, seconds: float,
-                     mechanism: str = "auto") -> str:
+                     mechanism: str = "auto",
+                     newer: Callable[[], GenerationRecord | None] = lambda: None) -> str:
     """A process with no group yet enters ``record``'s group beside its survivors (who
     re-form with their own mechanism: both meet in the generation's store); the mechanism
     its group then has. Bounded by ``seconds``."""
     if mechanism == DESTROY_INIT or planned_mechanism(backend) == DESTROY_INIT:
-        inplace.join_group(record, rank, backend, device, timeout, seconds)
+        inplace.join_group(record, rank, backend, device, timeout, seconds, newer=newer)
         return DESTROY_INIT
     client = inplace.store_client(record, seconds)
     return create_group(backend, client, rank, record.world_size, record.id,
                         timedelta(seconds=min(seconds, timeout.total_seconds())),
-                        device if device.type == "cuda" else None, mechanism)
+                        device if device.type == "cuda" else None, mechanism, newer)
 
 
-__all__ = ["DESTROY_INIT", "RECONFIGURE", "DestroyInit", "GenerationStore", "Mechanism",
+__all__ = ["DESTROY_INIT", "RECONFIGURE", "RENEW", "DestroyInit", "Renew", "GenerationStore", "Mechanism",
            "Reconfigure", "create_group", "generation_uuid", "join_as_newcomer", "mechanism_for",
            "nccl_backend", "planned_mechanism"]
