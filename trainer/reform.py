@@ -62,14 +62,15 @@ def nccl_backend() -> str:
     return "nccl2" if reconfigure_api() and nccl2_backend() else "nccl"
 
 
-def planned_mechanism(backend: str) -> str:
+def planned_mechanism(backend: str, released: bool = False) -> str:
     """What ``auto`` will re-form a ``backend`` group with, as far as torch can tell before
-    a group exists: reconfigure where the API is there (for NCCL: and ``nccl2`` too)."""
+    a group exists: reconfigure where the API is there (for NCCL: and ``nccl2`` too);
+    ``released``: after the guard let go of waiters on a frozen peer (``mechanism_for``)."""
     if not reconfigure_api():
         return DESTROY_INIT
     if inplace.is_nccl(backend):
         return RECONFIGURE if nccl_backend() == "nccl2" else DESTROY_INIT
-    return RECONFIGURE
+    return RENEW if released else RECONFIGURE
 
 
 def generation_uuid(gen: GenerationId) -> int:

@@ -79,13 +79,16 @@ def _matches_the_replay(node: DaemonNode, ckpt: Path, final: int) -> dict[int, t
     return history
 
 
-def _in_place(survivors: list[DaemonNode], lost: str, since: float) -> None:
-    """Each survivor re-formed once, lost no step and its agent never restarted workers."""
+def _in_place(survivors: list[DaemonNode], lost: str, since: float,
+              released: bool = False) -> None:
+    """Each survivor re-formed once (by the mechanism planned for this torch: ``released``
+    from a frozen peer, or after a failed collective), lost no step and its agent never
+    restarted workers."""
     for node in survivors:
         reformed = agent_events(node, "reformed")
         assert len(reformed) == 1, node.log_tail()
         assert reformed[0]["lost"] == [lost]
-        assert reformed[0]["mechanism"] == reform.planned_mechanism("gloo")
+        assert reformed[0]["mechanism"] == reform.planned_mechanism("gloo", released)
         assert not [r for r in progress_records(node) if r["event"] == "resumed" and r["time"] > since]
         sentences = [e["event"] for e in log_lines(node)]
         assert any("in place" in s for s in sentences), sentences[-20:]
@@ -108,7 +111,7 @@ def test_a_silent_node_is_cut_loose_after_its_lease(job, tmp_path):
     frozen, survivors, stopped = _lose_one(add, nodes, final, sig=signal.SIGSTOP, within_s=5 + 20)
     frozen.kill()
     completed(survivors)
-    _in_place(survivors, frozen.name, stopped)
+    _in_place(survivors, frozen.name, stopped, released=True)
     for node in survivors:
         assert agent_events(node, "reformed")[0]["cause"] == "released"
     _matches_the_replay(by_rank(survivors, True), tmp_path / "ckpt", final)

@@ -164,7 +164,7 @@ def _final_matches_the_replay(world: World, survivor: str, final: int) -> dict:
 # has one (the torch 2.14+ lane), destroy + init on 2.13 (the default lane).
 MECHANISM = reform.planned_mechanism("gloo")
 # After a release (a frozen peer) a reconfigurable gloo group is renewed (trainer.reform.Renew).
-RELEASED = reform.RENEW if MECHANISM == reform.RECONFIGURE else MECHANISM
+RELEASED = reform.planned_mechanism("gloo", released=True)
 
 
 def _reformed(worker: Worker, *mechanisms: str) -> list[dict]:
