@@ -1,4 +1,4 @@
-"""How an in-place re-form rebuilds the process group: two mechanisms, chosen by capability.
+"""How an in-place re-form rebuilds the process group: mechanisms chosen by capability.
 
 * ``reconfigure``: torch's reconfigure API (torch 2.14+; gloo, and NCCL through the
   ``nccl2`` backend, the default ``nccl`` on 2.15). The worker creates its default group
@@ -11,6 +11,9 @@
   keep its objects alive) and ``init_process_group`` anew through the generation's
   store. The only way on torch 2.13, on NCCL's legacy backend and for a group the
   script created itself.
+* ``renew``: a reconfigurable gloo group released from a frozen peer is left (as by
+  destroy + init) and a new reconfigurable group is created in the generation (``Renew``
+  says why).
 
 The choice is made when the group is created, by asking torch, not by reading its
 version: ``reconfigure_api()`` (the functions exist) and, after the group exists,
@@ -35,15 +38,12 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol
 
-import structlog
 import torch
 import torch.distributed as dist
 
 from elasticd.generation import GenerationId, GenerationRecord
 from elasticd.rendezvous.torch_compat import nccl2_backend, reconfigure_api
 from trainer import inplace
-
-log = structlog.get_logger(__name__)
 
 RECONFIGURE = "reconfigure"
 DESTROY_INIT = "destroy-init"
