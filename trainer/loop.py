@@ -152,7 +152,6 @@ class ElasticTrainer:
             self.es.lr_rule = "none"  # constant global batch: the LR never changes either
         self.es.progress.publish_generation = True  # this loop re-forms in place
         self.device = torch.device("cpu")
-        self.backend = tdist.choose_backend(config.backend)
         self.recovery = InPlace(self.es, config.timeout, config.ddp_kwargs,
                                 on_world=self._replan)
         self.ddp: torch.nn.Module = model
