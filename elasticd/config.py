@@ -126,6 +126,9 @@ class RendezvousConfig:
     keep_alive_interval: int = 1
     keep_alive_max_attempt: int = 5
     close_timeout: int = 30
+    # The agents' run lease (their c10d store keys, the `closed` key). Keyed rounds keep the
+    # job's round, worlds and epoch on no lease, so a lost round leader costs nothing here.
+    ttl: int = 7200
     # "keyed": per-agent keys whose etcd writes grow linearly with the nodes
     # (rendezvous/keyed.py; docs/scale.md); "torch": torch's dynamic rendezvous on one
     # shared state.

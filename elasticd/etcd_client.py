@@ -394,10 +394,12 @@ class EtcdClient:
                               kv.lease) for kv in response.kvs), None)
 
     def create_all(self, creates: dict[str, tuple[bytes, int | None]], first: str,
-                   deletes: tuple[str, ...] = ()) -> bool:
+                   deletes: tuple[str, ...] = (), unchanged: dict[str, int] | None = None) -> bool:
         """Put every key of ``creates`` (value, lease) and delete ``deletes``, in one
-        transaction, only if ``first`` does not exist yet; True if this call wrote."""
-        ok, _ = self._txn([_tx().create(first) == 0],
+        transaction, only if ``first`` does not exist yet and every key of ``unchanged``
+        still has that mod revision (0: still absent); True if this call wrote."""
+        fences = [_tx().mod(k) == rev for k, rev in (unchanged or {}).items()]
+        ok, _ = self._txn([_tx().create(first) == 0, *fences],
                           [_tx_put(k, v, lease) for k, (v, lease) in creates.items()]
                           + [_tx().delete(k) for k in deletes], [])
         return bool(ok)

@@ -47,7 +47,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -309,7 +309,7 @@ class EtcdV3RendezvousHandler(dyn.DynamicRendezvousHandler):
     def _next_rendezvous(self) -> RendezvousInfo:
         info = super().next_rendezvous()
         round_ = self._state_holder.state.round
-        export_generation(round_, info, self._store)
+        export_generation(round_, info, lambda: store_epoch(self._store))
         if self.companion is not None:
             self.companion.on_world(round_, repr(self._this_node))
         return info
@@ -390,33 +390,39 @@ def _woken_by(handler: EtcdV3RendezvousHandler) -> Iterator[None]:
 
 dyn._delay = _change_woken_delay
 
-def export_generation(round_: int, info: RendezvousInfo, store: Any) -> None:
+def export_generation(round_: int, info: RendezvousInfo, epoch: Callable[[], str]) -> None:
     """Export this world's generation to the next workers (both handlers call it).
 
     ``ELASTICD_GENERATION`` is the round just completed (torch keeps ``round`` at the
     completed round's number and moves it up when the last participant leaves; keyed
     rounds number their worlds in order: a newer world always has a larger one within
-    one rendezvous). ``ELASTICD_GENERATION_EPOCH`` names the rendezvous's lifetime: the
-    round restarts at 0 when its keys are created anew (lease expired, fresh etcd), so it
-    is an id kept in the run's store (``store``: the handler's unprefixed store, on the
-    run's lease). torchrun builds each worker's environment from a copy of ``os.environ``
-    when it starts the workers, right after the rendezvous returns. The checkpoint writer
-    fences commits by them (checkpointing/fence.py).
+    one rendezvous). ``ELASTICD_GENERATION_EPOCH`` names the rendezvous's lifetime
+    (``epoch()``): keyed rounds keep one for the job's life (``keyed.epoch``, on no lease,
+    as their round numbers are); torch's state, on an agent's lease, restarts at round 0
+    when it is created anew, so that layout keeps its epoch in the run's store, on the
+    run's lease (``store_epoch``). torchrun builds each worker's environment from a copy
+    of ``os.environ`` when it starts the workers, right after the rendezvous returns. The
+    checkpoint writer fences commits by them (checkpointing/fence.py).
     """
     try:
-        raw = store.compare_set(GENERATION_EPOCH_KEY, "", uuid.uuid4().hex)
-        epoch: str | None = raw.decode() if isinstance(raw, bytes) else str(raw)
+        value: str | None = epoch()
     except (RendezvousError, EtcdError, UnicodeDecodeError, RuntimeError) as exc:
         # Still fenced by the round alone; a world of another epoch replaces the fence.
         log.warning("no generation epoch; exporting the round alone", reason=str(exc))
-        epoch = None
+        value = None
     os.environ[GENERATION_ENV] = str(round_)
-    if epoch:
-        os.environ[GENERATION_EPOCH_ENV] = epoch
+    if value:
+        os.environ[GENERATION_EPOCH_ENV] = value
     else:
         os.environ.pop(GENERATION_EPOCH_ENV, None)
-    log.info("rendezvous generation", generation=round_, epoch=epoch,
+    log.info("rendezvous generation", generation=round_, epoch=value,
              rank=info.rank, world_size=info.world_size)
+
+
+def store_epoch(store: Any) -> str:
+    """torch's layout: the epoch in the run's store, created by the first agent to ask."""
+    raw = store.compare_set(GENERATION_EPOCH_KEY, "", uuid.uuid4().hex)
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
 # The worker-contract variables of WorkerSettings.generation / .generation_epoch.
@@ -445,13 +451,14 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     attempts = _positive_int(params, "keep_alive_max_attempt", 3)
     companion = _companion(config, client, params.local_addr, interval, attempts)
     if config.rounds == "keyed":
-        return KeyedRendezvousHandler(
+        keyed: KeyedRendezvousHandler = KeyedRendezvousHandler(
             params.run_id, client, config.keys, store, lease,
             Rules(params.min_nodes, params.max_nodes, timeout.last_call.total_seconds()),
             params.local_addr, join_timeout_s=timeout.join.total_seconds(),
             keep_alive_interval_s=interval, keep_alive_max_attempt=attempts,
-            on_world=lambda round_, info: export_generation(round_, info, store),
+            on_world=lambda round_, info: export_generation(round_, info, keyed.epoch),
             companion=companion)
+        return keyed
     backend = EtcdV3RendezvousBackend(client, config.keys.rdzv_state, lease)
     handler = EtcdV3RendezvousHandler.from_backend(
         params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr,

@@ -8,6 +8,17 @@ that one key. At steady state an agent writes nothing: its heartbeat is the keep
 of its liveness lease, and ``num_nodes_waiting`` is one count-only read a second.
 The daemon's eviction of a dead agent is the revocation of that lease (``admin.py``),
 which removes its liveness and its join at once.
+
+The job's own records (the ``round`` pointer, the ``world/<round>`` records and the
+``epoch``) are on no lease: they outlive every agent, as the job does. A record on its
+writer's lease vanished with that agent's lease 2 h after the round's leader was lost
+while the others trained on in place, and the next rendezvous then started again at
+round 0 under a new epoch (a second world beside the first; the job's checkpoints
+overwritten). Round numbers only go up within a job: a round is joined above every
+round that has a record, and a round closes only while the pointer is the one its
+leader read (a compare-and-set), so a leader that froze and woke up late cannot move the
+pointer back. A record this plugin cannot read is stepped over (one warning), never
+fatal: the next close writes a good pointer above it.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import os
 import socket
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
@@ -40,6 +52,7 @@ from elasticd.rendezvous import BACKEND_NAME
 from elasticd.rendezvous.keys import JobKeys
 from elasticd.rendezvous.rounds import (
     Agent,
+    CorruptRoundError,
     Joined,
     Rules,
     Snapshot,
@@ -97,6 +110,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         self.companion = companion
         self._clock = clock
         self._waiting = (float("-inf"), 0)
+        self._warned: set[tuple[str, int]] = set()
 
     # -- torch's interface -------------------------------------------------------------
 
@@ -124,7 +138,11 @@ class KeyedRendezvousHandler(RendezvousHandler):
         round_ = self._next_round()
         while True:
             self._join(round_)
-            world = self._await_world(round_, end)
+            try:
+                world = self._await_world(round_, end)
+            except _RoundPassed as passed:
+                round_ = passed.next_round
+                continue
             rank = world.rank_of(self.agent)
             if rank is not None:
                 break
@@ -220,16 +238,47 @@ class KeyedRendezvousHandler(RendezvousHandler):
     def _join_key(self, round_: int) -> str:
         return f"{self._keys.rdzv_joins(round_)}{self.agent.name}"
 
+    def epoch(self) -> str:
+        """The job's rendezvous epoch: one id for the job's whole life (on no lease)."""
+        key = self._keys.rdzv_epoch
+        kv = self._etcd(lambda: self._client.get(key))
+        if kv is None:
+            _, kv = self._etcd(lambda: self._client.put_or_create(
+                key, uuid.uuid4().hex.encode(), None))
+        if kv is None:
+            raise RendezvousConnectionError(f"etcd3 rendezvous: {key} vanished as it was made")
+        return kv.value.decode("ascii", "replace")
+
     def _next_round(self) -> int:
+        """The round above every round that has a record: the pointer's, and any world's."""
         found, _ = self._etcd(lambda: self._client.get_many(
             [self._keys.rdzv_round, self._keys.rdzv_closed]))
         if self._keys.rdzv_closed in found:
             raise RendezvousClosedError(f"the rendezvous of {self._run_id} is closed "
                                         f"({self._keys.rdzv_closed} exists)")
-        pointer = found.get(self._keys.rdzv_round)
+        worlds, _ = self._etcd(lambda: self._client.list_prefix(self._keys.rdzv_worlds))
+        rounds = [r for r in (self._keys.world_round(kv.key) for kv in worlds) if r is not None]
+        pointed = self._pointer_round(found.get(self._keys.rdzv_round))
+        if pointed is not None:
+            rounds.append(pointed)
+        return max(rounds, default=-1) + 1
+
+    def _pointer_round(self, pointer: KeyValue | None) -> int | None:
+        """The pointer's round; None when absent or unreadable (stepped over: the next
+        close replaces it)."""
         if pointer is None:
-            return 0
-        return decode_pointer(pointer.value, pointer.key)[0] + 1
+            return None
+        try:
+            return decode_pointer(pointer.value, pointer.key)[0]
+        except CorruptRoundError as exc:
+            self._warn_once(pointer, str(exc))
+            return None
+
+    def _warn_once(self, kv: KeyValue, problem: str) -> None:
+        if (kv.key, kv.mod_revision) not in self._warned:
+            self._warned.add((kv.key, kv.mod_revision))
+            log.warning("stepping over a rendezvous record this plugin cannot read; the next "
+                        "round closes above it", key=kv.key, problem=problem[:600])
 
     def _put_alive(self, key: str, value: bytes) -> None:
         """Put ``key`` on the liveness lease; if that lease expired (this agent was starved
@@ -252,6 +301,8 @@ class KeyedRendezvousHandler(RendezvousHandler):
             self._etcd(lambda: self._client.delete(self._join_key(previous)))
 
     def _await_world(self, round_: int, end: float) -> World:
+        """World ``round_`` once it closes; ``_RoundPassed`` if the job's rounds went past
+        it (its record was stepped over, or the pointer is already at or above it)."""
         previous = self._read_world(round_ - 1) if round_ > 0 else None
         ready_since: float | None = None
         world_key, mine = self._keys.rdzv_world(round_), self._join_key(round_)
@@ -262,29 +313,37 @@ class KeyedRendezvousHandler(RendezvousHandler):
                     f"{self._join_timeout_s:.0f} s (min_nodes={self._rules.min_nodes}); start more "
                     "nodes or raise --rdzv-conf join_timeout")
             found, revision = self._etcd(lambda: self._client.get_many(
-                [world_key, self._keys.rdzv_closed, mine]))
+                [world_key, self._keys.rdzv_closed, mine, self._keys.rdzv_round]))
             if self._keys.rdzv_closed in found:
                 raise RendezvousClosedError(f"the rendezvous of {self._run_id} was closed")
             if world_key in found:
-                return World.decode(found[world_key].value, world_key)
+                return self._decode_world(found[world_key], round_)
+            pointer = found.get(self._keys.rdzv_round)
+            pointed = self._pointer_round(pointer)
+            if pointed is not None and pointed >= round_:
+                # A late leader's round (its world record pruned since): join the next.
+                raise _RoundPassed(pointed + 1)
             if mine not in found:
                 self._join(round_)       # our join is gone (lease lost, or evicted): again
                 continue
             leader = self._etcd(lambda: self._client.first_created(self._keys.rdzv_joins(round_)))
             if leader is not None and leader.key == mine:
-                ready_since = self._lead(round_, previous, ready_since)
+                fence = 0 if pointer is None else pointer.mod_revision
+                ready_since = self._lead(round_, previous, ready_since, fence)
             else:
                 self._etcd(lambda rev=revision: self._client.wait_for_change(world_key, rev,
                                                                             FOLLOWER_POLL_S))
 
-    def _lead(self, round_: int, previous: World | None, ready_since: float | None) -> float | None:
-        """One decision as the round's leader: close it, or wait for news (bounded)."""
+    def _lead(self, round_: int, previous: World | None, ready_since: float | None,
+              fence: int) -> float | None:
+        """One decision as the round's leader: close it, or wait for news (bounded).
+        ``fence``: the pointer's mod revision when this leader read it (0: absent)."""
         kvs, revision = self._etcd(lambda: self._client.list_prefix(self._keys.rdzv_joins(round_)))
         joined = tuple(j for j in map(_joined, kvs) if j is not None)
         snapshot = Snapshot(round_, joined, previous, self._alive_among(previous, joined))
         decision = decide(snapshot, self._rules, ready_since, self._clock())
         if decision.close:
-            self._close(World(round_, decision.members), decision.reason)
+            self._close(World(round_, decision.members), decision.reason, fence)
             return None
         wait_s = LEADER_POLL_S if decision.blocked else min(decision.wait_s or FOLLOWER_POLL_S,
                                                             FOLLOWER_POLL_S)
@@ -303,21 +362,47 @@ class KeyedRendezvousHandler(RendezvousHandler):
             [self._keys.rdzv_alive + m.name for m in absent]))
         return frozenset(m for m in absent if self._keys.rdzv_alive + m.name in found)
 
-    def _close(self, world: World, reason: str) -> None:
-        lease = self._run_lease.id
+    def _close(self, world: World, reason: str, fence: int) -> None:
+        """Write world and pointer on no lease (they outlive every agent), only if the
+        world is new and the pointer is still the one read (``fence``): never backwards."""
         won = self._etcd(lambda: self._client.create_all(
-            {self._keys.rdzv_world(world.round): (world.encode(), lease),
-             self._keys.rdzv_round: (encode_pointer(world), lease)},
+            {self._keys.rdzv_world(world.round): (world.encode(), None),
+             self._keys.rdzv_round: (encode_pointer(world), None)},
             first=self._keys.rdzv_world(world.round),
-            deletes=(self._keys.rdzv_world(world.round - 2),) if world.round >= 2 else ()))
+            deletes=(self._keys.rdzv_world(world.round - 2),) if world.round >= 2 else (),
+            unchanged={self._keys.rdzv_round: fence}))
         if won:
             log.info("closed the round", round=world.round, world_size=len(world.members),
                      reason=reason)
 
     def _read_world(self, round_: int) -> World | None:
+        """World ``round_``; None when absent or unreadable (then nobody blocks the next)."""
         key = self._keys.rdzv_world(round_)
         kv = self._etcd(lambda: self._client.get(key))
-        return None if kv is None else World.decode(kv.value, key)
+        if kv is None:
+            return None
+        try:
+            return self._decode_world(kv, round_)
+        except _RoundPassed:
+            return None
+
+    def _decode_world(self, kv: KeyValue, round_: int) -> World:
+        try:
+            world = World.decode(kv.value, kv.key)
+            if world.round != round_:
+                raise CorruptRoundError(f"the record at {kv.key} is of round {world.round}")
+        except CorruptRoundError as exc:
+            self._warn_once(kv, str(exc))
+            raise _RoundPassed(round_ + 1) from None
+        return world
+
+
+class _RoundPassed(Exception):
+    """The job's rounds went past the one an agent joined: join ``next_round``."""
+
+    def __init__(self, next_round: int) -> None:
+        super().__init__(next_round)
+        self.next_round = next_round
 
 
 def _joined(kv: KeyValue) -> Joined | None:

@@ -5,6 +5,8 @@
 ``/elasticd/<job>/rdzv/store/<key>``    the agents' c10d store (this plugin)
 ``/elasticd/<job>/rdzv/round``          keyed rounds: the newest closed round (small pointer)
 ``/elasticd/<job>/rdzv/world/<round>``  keyed rounds: one closed round's members
+``/elasticd/<job>/rdzv/epoch``          keyed rounds: the job's rendezvous epoch (these three
+                                        are on no lease: they live as long as the job)
 ``/elasticd/<job>/rdzv/join/<round>/<agent>``  keyed rounds: an agent's join, on its lease
 ``/elasticd/<job>/rdzv/alive/<agent>``  keyed rounds: an agent's liveness, on its lease
 ``/elasticd/<job>/rdzv/closed``         keyed rounds: the job's rendezvous is closed
@@ -84,6 +86,16 @@ class JobKeys:
     def rdzv_world(self, round_: int) -> str:
         # Fixed width: the key of one round is never a prefix of another's.
         return f"{self.rdzv_worlds}{round_:012d}"
+
+    @property
+    def rdzv_epoch(self) -> str:
+        """Keyed rounds: the job's rendezvous epoch, created once (``keyed.epoch``)."""
+        return f"{self.prefix}rdzv/epoch"
+
+    def world_round(self, key: str) -> int | None:
+        """The round of a ``world/<round>`` key; None for a key this plugin did not name."""
+        tail = key.removeprefix(self.rdzv_worlds)
+        return int(tail) if tail != key and tail.isdigit() else None
 
     def rdzv_joins(self, round_: int) -> str:
         return f"{self.prefix}rdzv/join/{round_:012d}/"

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from elasticd.rendezvous.keys import JobKeys
+from tests.conftest import connect
 from tests.daemon.runs import (
     by_rank,
     completed,
@@ -50,12 +52,12 @@ def job(tmp_path, job_id, etcd_server):
     nodes: list[DaemonNode] = []
 
     def add(name: str, final: int, script: str = MLP, mode: str = "in-place",
-            min_nodes: int = 3) -> DaemonNode:
+            min_nodes: int = 3, sections: str = "") -> DaemonNode:
         # min_nodes 3 by default: with fewer, the first world could run the whole job
         # before the third node joined (seen); the restart-path tests need 2.
         node = DaemonNode(name, etcd_server.endpoint, job_id, tmp_path, {
             "entrypoint": _entry(final, script), "every_steps": 10, "min_nodes": min_nodes,
-            "sections": f'[recovery]\nmode = "{mode}"\n'}).start()
+            "sections": f'[recovery]\nmode = "{mode}"\n{sections}'}).start()
         nodes.append(node)
         return node
 
@@ -146,3 +148,43 @@ def test_a_node_that_rejoins_after_an_in_place_shrink_grows_the_world_back(job, 
     history = _matches_the_replay(rank0, tmp_path / "ckpt", final)
     assert [w for _, (w, _) in sorted(history.items())][-1] == 3
 
+
+
+def test_the_jobs_rounds_outlive_a_lost_round_leader(job, tmp_path, etcd_server, job_id):
+    """Issue 29 finding 2: the round pointer, world and epoch were on the round leader's
+    run lease. Lost in place, the leader's lease ran out (here after ttl = 4 s, by
+    default 2 h) and the next rendezvous started at round 0 under a new epoch."""
+    add, nodes = job
+    final, ttl = 900, 4
+    three = _three(lambda name, final, script, min_nodes: add(
+        name, final, script, min_nodes=2, sections=f"[rendezvous]\nttl = {ttl}\n"), final)
+    (leader,) = [n for n in three if "closed the round" in (n.run_dir / "agent.log").read_text()]
+    survivors = [n for n in three if n is not leader]
+    lost = time.time()
+    leader.kill()
+    wait_for(lambda: stepping_at(survivors, 2, lost), 30, "a world of 2", nodes)
+    time.sleep(ttl + 3)                       # the leader's run lease is gone by now
+    keys = JobKeys(job_id)
+    client = connect(etcd_server)
+    try:
+        found, _ = client.get_many([keys.rdzv_round, keys.rdzv_world(0), keys.rdzv_epoch])
+    finally:
+        client.close()
+    assert set(found) == {keys.rdzv_round, keys.rdzv_world(0), keys.rdzv_epoch}
+    back = time.time()
+    newcomer = add("d", final, min_nodes=2, sections=f"[rendezvous]\nttl = {ttl}\n")
+    wait_for(lambda: stepping_at([*survivors, newcomer], 3, back), 90, "world 3 again", nodes)
+    completed([*survivors, newcomer])
+    everyone = [*three, newcomer]
+    records = sorted((r for n in everyone for r in progress_records(n)), key=lambda r: r["time"])
+    generations = [r["generation"] for r in records if "generation" in r]
+    assert len({g["epoch"] for g in generations}) == 1, "a second epoch: a second world"
+    for node in everyone:
+        rounds = [r["generation"]["round"] for r in progress_records(node) if "generation" in r]
+        assert rounds == sorted(rounds), f"{node.name}'s rounds went back: {rounds}"
+    assert max(g["round"] for g in generations) >= 1
+    committed = [r["step"] for r in records if r["event"] == "checkpoint"]
+    assert len(committed) == len(set(committed)), "a checkpoint was written twice"
+    logs = [p.read_text(errors="replace") for p in tmp_path.glob("*/agent.log*")]
+    assert logs and not [text for text in logs if "refused: this writer" in text]
+    _matches_the_replay(survivors[0], tmp_path / "ckpt", final)

@@ -3,14 +3,15 @@ torchrun builds them, in threads of this process."""
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from structlog.testing import capture_logs
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousParameters,
-    RendezvousStateError,
     RendezvousTimeoutError,
 )
 
@@ -19,6 +20,7 @@ from elasticd.rendezvous import admin
 from elasticd.rendezvous.handler import create_handler, parse_params
 from elasticd.rendezvous.keyed import KeyedRendezvousHandler
 from elasticd.rendezvous.keys import JobKeys
+from elasticd.rendezvous.rounds import World
 from tests.conftest import connect
 
 
@@ -134,11 +136,72 @@ def test_only_a_successful_shutdown_closes_the_rendezvous(make):
         make(3).next_rendezvous()
 
 
-def test_a_corrupt_world_is_reported_as_torchs_state_error(make, client, job_id):
+def test_a_corrupt_world_is_stepped_over_with_a_warning_never_fatal(make, client, job_id):
     keys = JobKeys(job_id)
-    client.put(keys.rdzv_world(0), b"\x80\x04cos\nsystem\n.")
-    with pytest.raises(RendezvousStateError, match="etcdctl del --prefix"):
-        make(0, min_nodes=1).next_rendezvous()
+    client.put(keys.rdzv_world(0), b"\x80\x04cos\nsystem\n.")     # a pickle: never loaded
+    handler = make(0, min_nodes=1)
+    with capture_logs() as logs:
+        info = handler.next_rendezvous()
+    assert info.world_size == 1 and handler.world.round == 1
+    assert admin.current_round(client, keys).round == 1
+    warned = [e for e in logs if e.get("key") == keys.rdzv_world(0)]
+    assert len(warned) == 1 and "etcdctl del --prefix" in warned[0]["problem"], logs
+
+
+def test_a_corrupt_pointer_is_repaired_above_every_existing_round(make, client, job_id):
+    keys = JobKeys(job_id)
+    rendezvous_all([make(0, min_nodes=1, max_nodes=1)])
+    client.put(keys.rdzv_round, b"not json")
+    handler = make(1, min_nodes=1, max_nodes=1)
+    info = handler.next_rendezvous()
+    assert info.world_size == 1 and handler.world.round == 1      # above world 0's record
+    assert admin.current_round(client, keys).round == 1             # a good pointer again
+
+
+def test_a_world_record_under_another_rounds_key_is_refused(make, client, job_id):
+    keys = JobKeys(job_id)
+    client.put(keys.rdzv_world(0), b'{"round": 5, "members": [["127.0.0.9", 1, 0]]}')
+    handler = make(0, min_nodes=1)
+    handler.next_rendezvous()
+    assert handler.world.round == 1 and handler.world.rank_of(handler.agent) == 0
+
+
+def test_the_jobs_round_world_and_epoch_outlive_every_agents_lease(make, client, job_id):
+    # Issue 29 finding 2: the pointer and world were on the round leader's run lease and
+    # the epoch on its creator's. In place, the job trains on without a new round; 2 h
+    # (the lease's TTL) after the leader's node was lost, they vanished and the next
+    # rendezvous started at round 0 under a new epoch: a second world beside the first.
+    keys = JobKeys(job_id)
+    handlers = [make(i) for i in range(2)]
+    rendezvous_all(handlers)
+    epoch = os.environ["ELASTICD_GENERATION_EPOCH"]
+    for handler in handlers:                  # what their expiry does: every lease gone
+        client.revoke_lease(handler._run_lease.id)
+        client.revoke_lease(handler._alive.id)
+        handler._alive.stop(revoke=False)
+    found, _ = client.get_many([keys.rdzv_round, keys.rdzv_world(0), keys.rdzv_epoch])
+    assert set(found) == {keys.rdzv_round, keys.rdzv_world(0), keys.rdzv_epoch}
+    assert all(kv.lease_id == 0 for kv in found.values())
+    rejoined = [make(i + 5) for i in range(2)]
+    rendezvous_all(rejoined)
+    assert {h.world.round for h in rejoined} == {1}
+    assert os.environ["ELASTICD_GENERATION_EPOCH"] == epoch
+
+
+def test_a_leader_that_read_an_older_pointer_cannot_move_it_back(make, client, job_id):
+    # A round's leader froze before closing; the others closed rounds past it and pruned
+    # its round's record. Woken, its close must not rewrite the pointer to its round.
+    keys = JobKeys(job_id)
+    late = make(9, min_nodes=1, max_nodes=1)
+    stale_fence = 0                                        # it read: no pointer yet
+    for i in range(3):
+        rendezvous_all([make(i, min_nodes=1, max_nodes=1)])
+    client.delete(keys.rdzv_world(0))                      # pruned, as closes do
+    late._close(World(0, (late.agent,)), "late", stale_fence)
+    assert client.get(keys.rdzv_world(0)) is None
+    assert admin.current_round(client, keys).round == 2
+    late.next_rendezvous()
+    assert late.world.round == 3
 
 
 def test_the_daemon_view_and_reopen_work_on_keyed_rounds(make, client, job_id):
