@@ -267,8 +267,11 @@ class Memory:
     published_world: WorldView | None = None
     in_place: InPlace | None = None
     generation_handed: GenerationId | None = None  # newest record handed to our workers
-    # Peers our workers already re-formed without: the EVICT's outcome can come after
-    # the re-form (measured: re-formed 0.1 s after the crash), and must not kill them then.
+    # Peers the current worker group already re-formed without: the EVICT's outcome can
+    # come after the re-form (measured: re-formed 0.1 s after the crash), and must not kill
+    # them then. It belongs to that group: a new group (a restart, a new agent) starts
+    # empty, or a peer re-formed out once, back, and lost again before the new group's
+    # first step would get no kill (its survivors hung until the collective timeout).
     reformed_without: frozenset[str] = frozenset()
 
 
@@ -406,7 +409,8 @@ def _worker_restarts(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memor
         return mem, [], ""
     restarted = bool(mem.workers)
     # A new worker group steps from scratch: the hang timer waits for its first step.
-    mem = replace(mem, workers=snap.workers, step_at=None, step=snap.step)
+    mem = replace(mem, workers=snap.workers, step_at=None, step=snap.step,
+                  reformed_without=frozenset())
     if not restarted:
         return mem, [], ""
     cause = restart_cause(snap.now, mem.membership_changed_at, snap.progress_event,
@@ -884,7 +888,7 @@ def _start(snap: Snapshot, mem: Memory, policy: Policy):
     if not mem.ready_sent:
         actions.append(act(Kind.NOTIFY, what="ready"))
     mem = replace(mem, phase=Phase.RUNNING, exit_handled=False,
-                  workers=frozenset(), step_at=None, ready_sent=True)
+                  workers=frozenset(), step_at=None, ready_sent=True, reformed_without=frozenset())
     return mem, actions, f"{verb} the torchrun agent"
 
 

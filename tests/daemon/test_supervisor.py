@@ -619,6 +619,19 @@ def test_an_eviction_outcome_after_the_re_form_plans_no_kill():
     assert late.memory.kill_at is None and Kind.KILL_WORKERS not in late.kinds()
 
 
+def test_a_peer_lost_again_after_a_restart_is_not_taken_as_already_re_formed():
+    """Issue 29 finding 6: ``reformed_without`` only grew. b was re-formed out, came back
+    (a new round: a new worker group), then went silent before the group's first step:
+    our workers, hung on it, must be killed, not left to the collective timeout."""
+    done = replace(RUNNING, reformed_without=frozenset({"b"}))
+    regrouped = d(live(now=T + 30, workers=frozenset({31, 32}), generation=G), done, INPLACE)
+    assert regrouped.memory.reformed_without == frozenset()
+    mem = replace(regrouped.memory, evicting={"b": Death(B, "silent", 1)})
+    out = d(live(now=T + 31, workers=frozenset({31, 32}), generation=G,
+                 eviction=Eviction(("b",), ok=True, in_round=True)), mem, INPLACE)
+    assert [(a.kind, a["pids"]) for a in out.actions] == [(Kind.KILL_WORKERS, frozenset({31, 32}))]
+
+
 def test_a_missed_reformed_record_still_counts_once_by_the_generation():
     out = d(live(now=T + 2, generation=G1, step=42, progress_event="step", rank0_here=True),
             replace(agreed(), journaled_at=T), INPLACE)
