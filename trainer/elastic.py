@@ -315,6 +315,7 @@ class ElasticState:
                 model = reformed
             else:
                 return self.finish()
+            recovery.release_old()
 
     def _reshard(self) -> None:
         """The sampler's layout and the global batch of the world just adopted."""

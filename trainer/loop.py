@@ -220,6 +220,7 @@ class ElasticTrainer:
                 if ddp is None:
                     raise
                 self.ddp = ddp
+            self.recovery.release_old()
 
     def _replan(self) -> None:
         """The batch plan of the world just adopted (``InPlace.on_world``)."""

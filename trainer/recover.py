@@ -16,6 +16,7 @@ watch, group join, state hand-over) are ``trainer.inplace``'s.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -114,6 +115,14 @@ class InPlace:
                  f"{from_gen}); redoing step {es.state.step + 1}")
         return ddp
 
+    @staticmethod
+    def release_old() -> None:
+        """Free the old DDP wrapper once the caller dropped it (after its ``except``
+        block: the traceback's frames hold it too). DDP's hooks make reference cycles, so
+        without a collection its gradient buckets (a model's size) lived until Python's
+        next full collection. Safe in this thread: ``_reform`` kept the group it held."""
+        gc.collect()
+
     def _reform(self, ddp: torch.nn.Module, deadline: float
                 ) -> tuple[GenerationRecord, torch.nn.Module]:
         def left() -> float:
@@ -131,7 +140,10 @@ class InPlace:
         mechanism = reform.mechanism_for(backend, tdist.RETAINED, released)
         self.mechanism = mechanism.name
         if mechanism.name != reform.RECONFIGURE:
-            tdist.retain(ddp)  # its reducer would destroy the abandoned group: see tdist.shutdown
+            # The abandoned group must never be destroyed in this thread (tdist.shutdown
+            # says why); the old DDP's reducer holds it, so keep the group alone. Keeping
+            # the whole wrapper cost its gradient buckets (a model's size) per re-form.
+            tdist.retain(getattr(ddp, "process_group", None) or torch.distributed.group.WORLD)
         mechanism.leave(left())
         while True:
             watch = inplace.GenerationWatch(ctx.generation_file, record.id)
