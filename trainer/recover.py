@@ -157,6 +157,14 @@ class InPlace:
                             lost=list(exc.record.lost))
                 record = exc.record
                 rank = self._rank_in(record)
+            except torch.distributed.DistError as exc:
+                # The generation's store (the new rank 0's daemon's) or a member failed while
+                # forming: the daemons agree the next generation without that node. Follow
+                # it within the bound, else ReformError (a torchrun restart).
+                log.warning(f"forming generation {record.id} failed ({type(exc).__name__}); "
+                            "waiting for the next generation", error=str(exc)[:300])
+                record = watch.wait(deadline)
+                rank = self._rank_in(record)
         inplace.bounded(self._sync_state, left(), "agreeing on the newest state")
         if es.state.step > es.reported_step:
             # A step whose all-reduce completed here (or on the holder) but whose boundary

@@ -10,9 +10,11 @@ Each worker plays a node of one process (its own ELASTICD_NODE_ID and generation
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -209,6 +211,45 @@ def test_silent_peer_workers_are_released_by_the_next_generation(world_of):
     for node in ("n0", "n2"):
         (event,) = _reformed(world.worker(node), RELEASED)
         assert event["cause"] == "released" and event["step"] <= blocked_at[node] + 1
+
+
+def test_a_re_form_whose_store_host_dies_follows_the_next_generation(world_of, tmp_path):
+    """Issue 29 finding 6: the re-form's store is the new rank 0's daemon's; if that node
+    dies while the survivors wait for each other, the store error (DistNetworkError)
+    escaped InPlace.recover and the survivors restarted instead of following the
+    generation the daemons agree next."""
+    final = 400
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", (
+        "import time, torch.distributed as d\n"
+        f"s = d.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False)\n"
+        "time.sleep(600)")], start_new_session=True)
+    try:
+        assert proctree.wait_for(lambda: _listening(port), 30), "the store host never listened"
+        world = world_of(3, f"--max-steps={final}", "--step-sleep=0.03", bound_s=30.0)
+        world.wait_step(10)
+        os.killpg(world.worker("n2").proc.pid, signal.SIGSTOP)     # never arrives
+        proctree.kill_tree(world.worker("n0").proc.pid)
+        first = shrink(world.base, ("n0",), {"n1": f"127.0.0.1:{port}"}, cause="peer-lost")
+        write_file(str(world.worker("n1").generation_file), first)
+        time.sleep(2.0)                                   # n1 waits for n2 in that store
+        proctree.kill_tree(host.pid)
+    finally:
+        host.kill()
+        host.wait()
+    second = shrink(first, ("n2",), {"n1": f"127.0.0.1:{world.store.port}"}, cause="peer-lost")
+    write_file(str(world.worker("n1").generation_file), second)
+    assert world.wait("n1") == 0
+    (event,) = _reformed(world.worker("n1"))
+    assert event["generation"] == second.id.as_dict() and event["world_size"] == 1
+    history = _final_matches_the_replay(world, "n1", final)
+    assert {w for w, _ in history.values()} == {3, 1}
+
+
+def _listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True
+    return False
 
 
 def test_a_worker_the_record_leaves_out_is_fenced_out_and_exits(world_of):
