@@ -240,7 +240,7 @@ def test_a_re_form_whose_store_host_dies_follows_the_next_generation(world_of, t
     second = shrink(first, ("n2",), {"n1": f"127.0.0.1:{world.store.port}"}, cause="peer-lost")
     write_file(str(world.worker("n1").generation_file), second)
     assert world.wait("n1") == 0
-    (event,) = _reformed(world.worker("n1"))
+    (event,) = _reformed(world.worker("n1"), MECHANISM, RELEASED)   # released: the record came first
     assert event["generation"] == second.id.as_dict() and event["world_size"] == 1
     history = _final_matches_the_replay(world, "n1", final)
     assert {w for w, _ in history.values()} == {3, 1}
