@@ -20,9 +20,17 @@ from a process with threads is not safe.
 Protocol (a Unix stream socket, mode 0600, in the daemon's run dir): the client sends one
 JSON line ``{"argv", "env", "cwd"}`` with its fds 0, 1 and 2 attached (SCM_RIGHTS); the
 server forks and answers ``{"pid": N}``, later ``{"exit": CODE}`` (negative: killed by
-that signal). SIGTERM, SIGINT, SIGHUP and SIGUSR1/2 to the client are forwarded to the
-worker. When the client dies (SIGKILL) the server sees its connection close and
+that signal). When the client dies (SIGKILL) the server sees its connection close and
 SIGKILLs the worker.
+
+Signals: SIGTERM, SIGINT, SIGHUP and SIGUSR1/2 to the client reach the worker whenever
+they come, with the disposition a cold worker would have then. One that comes before
+the server has answered is held by the client and sent once it has the pid. The server
+forks with them blocked; the child sets them to SIG_DFL (SIGINT too, where a cold
+interpreter raises KeyboardInterrupt) before it unblocks them, so one already pending
+is delivered then: it kills the worker, and the client dies of the same signal (exit
+status 143 for SIGTERM), as a cold worker does. Once the script has installed a handler,
+that handler runs.
 """
 
 from __future__ import annotations
@@ -92,14 +100,14 @@ class WarmServer:
         conn, _ = self.listener.accept()
         try:
             request, fds = _receive(conn)
-            pid = os.fork()
+            pid, mask = _fork_with_forwarded_blocked()
         except (OSError, ValueError) as exc:
             with contextlib.suppress(OSError):
                 _send(conn, {"error": str(exc)})
             conn.close()
             return
         if pid == 0:
-            self._become_worker(request, fds)  # never returns
+            self._become_worker(request, fds, mask)  # never returns
         for fd in fds:
             os.close(fd)
         self.workers[pid] = conn
@@ -130,9 +138,11 @@ class WarmServer:
                 _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
             conn.close()
 
-    def _become_worker(self, request: dict[str, Any], fds: list[int]) -> None:
+    def _become_worker(self, request: dict[str, Any], fds: list[int],
+                       mask: set[signal.Signals]) -> None:
         code = 1
         try:
+            _worker_signals(mask)  # first: a signal already pending is delivered here
             self.selector.close()
             self.listener.close()
             for conn in self.workers.values():
@@ -150,15 +160,49 @@ class WarmServer:
             os._exit(code)
 
 
-def run_worker(request: dict[str, Any], fds: list[int]) -> int:
-    """In the forked child: become the worker the client asked for and run its script."""
-    os.setsid()  # its own session, as torchrun starts workers
-    for sig in (*FORWARDED, signal.SIGCHLD):
-        signal.signal(sig, signal.SIG_DFL)
+def _fork_with_forwarded_blocked() -> tuple[int, set[signal.Signals]]:
+    """``os.fork()`` with FORWARDED blocked; returns (pid, the mask before).
+
+    The parent gets its mask back at once. The child keeps them blocked until
+    ``_worker_signals`` has given it the worker's dispositions: a signal sent to it before
+    then (the client forwards one it held as soon as it has the pid) stays pending in the
+    kernel, where neither the server's SIGTERM handler (exit 0) nor CPython's after-fork
+    reset of its pending-signal flags (the signal lost) can get at it.
+    """
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    try:
+        pid = os.fork()
+    except OSError:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        raise
+    if pid:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    return pid, mask
+
+
+def _worker_signals(mask: set[signal.Signals]) -> None:
+    """In the child, FORWARDED still blocked: a cold interpreter's dispositions, then unblock.
+
+    SIG_DFL for FORWARDED and SIGCHLD and for any other signal the server gave a Python
+    handler, so a pending signal is delivered with the disposition the worker would have
+    (SIGTERM kills it, exit -15) and a script's own handlers apply from when it installs
+    them. SIGINT is SIG_DFL too, not the KeyboardInterrupt of a cold interpreter.
+    """
+    for sig in signal.valid_signals():
+        handler = signal.getsignal(sig)
+        if sig in (*FORWARDED, signal.SIGCHLD) or (
+                callable(handler) and handler is not signal.default_int_handler):
+            signal.signal(sig, signal.SIG_DFL)
     # What a cold interpreter does at start-up: a write to a closed socket raises EPIPE
     # instead of killing the process. With SIG_DFL here, a worker whose gloo peer had just
     # been SIGKILLed died of SIGPIPE (exit -13) and the in-place re-form lost its rank 0.
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask - set(FORWARDED))
+
+
+def run_worker(request: dict[str, Any], fds: list[int]) -> int:
+    """In the forked child: become the worker the client asked for and run its script."""
+    os.setsid()  # its own session, as torchrun starts workers
     for target, fd in enumerate(fds[:3]):
         os.dup2(fd, target)
     for fd in fds:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -15,6 +18,7 @@ import pytest
 from elasticd import proctree
 
 REPO = Path(__file__).resolve().parents[1]
+WORKERS = REPO / "tests" / "workers"
 
 SCRIPT = """
 import os, signal, sys, time
@@ -140,3 +144,65 @@ def test_a_warm_worker_ignores_sigpipe_as_a_cold_interpreter_does(server):
     warm = subprocess.run([sys.executable, "-m", "elasticd.warmstart", str(sock), str(root / "pipe.py")],
                           env=env, capture_output=True, text=True, timeout=60)
     assert cold.stdout == warm.stdout == "True\n", (cold.stdout, warm.stdout, warm.stderr)
+
+
+@contextlib.contextmanager
+def _cpu_hogs(count: int) -> Iterator[None]:
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+def _sigterm_during_a_start(server_pid: int, sock: Path, mode: str, delay: float | None
+                            ) -> tuple[int | str, str]:
+    """Start warm_signals.py MODE, SIGTERM its client ``delay`` s after the client's start
+    (None: the moment the server has forked the worker); (exit status or "hang", stdout)."""
+    server = psutil.Process(server_pid)
+    before = {child.pid for child in server.children()}
+    client = subprocess.Popen(
+        [sys.executable, "-m", "elasticd.warmstart", str(sock), str(WORKERS / "warm_signals.py"), mode],
+        env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, text=True,
+        start_new_session=True)
+    if delay is None:  # the race: a signal the client held, forwarded as the child starts
+        deadline = time.monotonic() + 10
+        while not {c.pid for c in server.children()} - before and time.monotonic() < deadline:
+            pass
+    else:
+        time.sleep(delay)
+    client.send_signal(signal.SIGTERM)
+    try:
+        status: int | str = client.wait(10)
+    except subprocess.TimeoutExpired:
+        status = "hang"
+        client.kill()
+        client.wait()
+    return status, client.stdout.read()
+
+
+def _as_a_cold_worker(mode: str, status: int | str, out: str) -> bool:
+    """Killed by the SIGTERM (no handler yet), or its own handler ran (it had installed it)."""
+    if mode == "handler" and "installed" in out:
+        return status == 75 and "got SIGTERM" in out
+    return status == -signal.SIGTERM
+
+
+def test_a_sigterm_at_any_point_of_a_warm_start_ends_the_worker_as_a_cold_one(server):
+    """Issue 29: a SIGTERM the client held until it had the pid found the forked child with
+    the server's handler (exit 0, the script never ran) or was lost (the worker ran on)."""
+    _, sock, proc = server
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    bad = []
+    for hogs in (0, 2):  # idle, then under CPU load
+        with _cpu_hogs(hogs):
+            for i in range(12):
+                mode = ("sleep", "spin", "handler")[i % 3]
+                delay = None if i % 2 else rng.uniform(0.0, 1.0)
+                status, out = _sigterm_during_a_start(proc.pid, sock, mode, delay)
+                if not _as_a_cold_worker(mode, status, out):
+                    bad.append((hogs, mode, delay, status, out))
+    assert not bad, f"seed {seed}: {bad}"
