@@ -31,6 +31,10 @@ interpreter raises KeyboardInterrupt) before it unblocks them, so one already pe
 is delivered then: it kills the worker, and the client dies of the same signal (exit
 status 143 for SIGTERM), as a cold worker does. Once the script has installed a handler,
 that handler runs.
+
+Threads: a warm worker's torch (and MKL) intra-op thread count is the one a cold
+interpreter with the worker's environment starts with (``cold_threads``): the server
+imports torch without OMP_NUM_THREADS/MKL_NUM_THREADS, and each child sets its own count.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import contextlib
 import importlib
 import json
 import os
+import re
 import runpy
 import selectors
 import signal
@@ -55,6 +60,7 @@ DEFAULT_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dy
                    "numpy", "structlog", "trainer.loop", "trainer.examples.common",
                    "checkpointing")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+_THREAD_VARS = ("MKL_NUM_THREADS", "OMP_NUM_THREADS")  # torch's precedence
 _MAX_REQUEST = 1 << 20
 
 
@@ -86,6 +92,7 @@ class WarmServer:
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ)
         self.workers: dict[int, socket.socket] = {}   # worker pid -> its client's connection
+        self.default_threads: int | None = None  # torch's, for workers that set none (serve)
 
     def serve_forever(self) -> None:
         while True:
@@ -147,7 +154,7 @@ class WarmServer:
             self.listener.close()
             for conn in self.workers.values():
                 conn.close()
-            code = run_worker(request, fds)
+            code = run_worker(request, fds, self.default_threads)
         except BaseException:  # noqa: BLE001 - the worker's exit code says it
             # What the interpreter does with an uncaught exception: the script's own
             # sys.excepthook (trainer.elastic's commits and exits), else the traceback.
@@ -200,8 +207,12 @@ def _worker_signals(mask: set[signal.Signals]) -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, mask - set(FORWARDED))
 
 
-def run_worker(request: dict[str, Any], fds: list[int]) -> int:
-    """In the forked child: become the worker the client asked for and run its script."""
+def run_worker(request: dict[str, Any], fds: list[int], default_threads: int | None = None) -> int:
+    """In the forked child: become the worker the client asked for and run its script.
+
+    ``default_threads``: torch's intra-op thread count for an environment that sets none
+    (``_thread_settings``); None leaves the server's.
+    """
     os.setsid()  # its own session, as torchrun starts workers
     for target, fd in enumerate(fds[:3]):
         os.dup2(fd, target)
@@ -212,7 +223,7 @@ def run_worker(request: dict[str, Any], fds: list[int]) -> int:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    _thread_settings()
+    _thread_settings(default_threads)
     argv = list(request["argv"])
     sys.argv = argv
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
@@ -226,12 +237,33 @@ def run_worker(request: dict[str, Any], fds: list[int]) -> int:
     return 0
 
 
-def _thread_settings() -> None:
-    """torch read OMP_NUM_THREADS when the server imported it; apply the worker's own."""
+def cold_threads(env: Mapping[str, str], default: int, mkl: bool) -> int:
+    """The intra-op thread count torch starts with in a cold interpreter given ``env``;
+    ``default``: its count when no thread variable is set (physical cores).
+
+    As measured with torch 2.13: MKL_NUM_THREADS, else OMP_NUM_THREADS (the leading
+    integer, if positive), else ``default``; with MKL, torch takes MKL's count, which MKL
+    caps at ``default`` unless MKL_DYNAMIC=false (OMP_NUM_THREADS=3 on 2 cores: 2 threads).
+    """
+    requested = [int(m.group()) for m in (re.match(r"\s*\+?\d+", env.get(var, ""))
+                                          for var in _THREAD_VARS) if m and int(m.group()) > 0]
+    if not requested:
+        return default
+    if mkl and env.get("MKL_DYNAMIC", "").lower() != "false":
+        return min(requested[0], default)
+    return requested[0]
+
+
+def _thread_settings(default: int | None) -> None:
+    """Give torch (and MKL) the thread count a cold worker with this environment gets.
+
+    torch took its count from the server's environment (measured: with OMP_NUM_THREADS=1
+    there, a worker that set none ran 1 thread warm and 2 cold; one with MKL_NUM_THREADS=1
+    ran 2 warm and 1 cold; a float64 sum and MLP gradients then differ in their last bits).
+    """
     torch = sys.modules.get("torch")
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if torch is not None and threads.isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))
+    if torch is not None and default is not None:
+        torch.set_num_threads(cold_threads(os.environ, default, torch.backends.mkl.is_available()))
 
 
 def _parent_death_kills_me() -> None:
@@ -350,9 +382,15 @@ def serve(socket_path: str, imports: Sequence[str] = DEFAULT_IMPORTS) -> None:
     # (about what a cold start would take) instead of starting cold beside them.
     server = WarmServer(socket_path)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    # Without these torch takes its default thread count, the one a cold worker whose
+    # environment sets neither gets; every worker then sets the count of its own (run_worker).
+    for var in _THREAD_VARS:
+        os.environ.pop(var, None)
     failed = preload(imports)
     if failed:
         print(json.dumps({"event": "warm imports failed", "modules": failed}), file=sys.stderr)
+    torch = sys.modules.get("torch")
+    server.default_threads = torch.get_num_threads() if torch is not None else None
     server.serve_forever()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import signal
@@ -19,6 +20,7 @@ from elasticd import proctree
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = REPO / "tests" / "workers"
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 SCRIPT = """
 import os, signal, sys, time
@@ -40,8 +42,10 @@ sys.exit(int(sys.argv[1]))
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("warm")
     sock = root / "warm.sock"
+    # A thread count of the server's own, which no worker may inherit (test_..._bit_for_bit).
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "elasticd.warmstart", "--serve", str(sock),
-                             "torch", "trainer.logs"], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+                             "torch", "trainer.logs"], cwd=REPO, env=env)
     assert proctree.wait_for(sock.exists, 60), "the server never listened"
     (root / "w.py").write_text(SCRIPT)
     yield root, sock, proc
@@ -206,3 +210,26 @@ def test_a_sigterm_at_any_point_of_a_warm_start_ends_the_worker_as_a_cold_one(se
                 if not _as_a_cold_worker(mode, status, out):
                     bad.append((hogs, mode, delay, status, out))
     assert not bad, f"seed {seed}: {bad}"
+
+
+@pytest.mark.parametrize("threads", [
+    {"OMP_NUM_THREADS": "1"},                          # torchrun's, for nproc_per_node > 1
+    {},                                                # torch's default
+    {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "1"},  # MKL's wins
+    {"OMP_NUM_THREADS": "3"},                          # MKL caps it at the physical cores
+    {"OMP_NUM_THREADS": "3", "MKL_DYNAMIC": "false"},  # unless told not to
+], ids=["omp1", "unset", "mkl-over-omp", "omp3", "omp3-static"])
+def test_a_warm_worker_computes_bit_for_bit_as_a_cold_one_with_its_environment(server, threads):
+    """Same torch/OpenMP/MKL thread counts and the same float64 bits (issue 29: a warm
+    worker kept the count torch took from the server's environment unless it set
+    OMP_NUM_THREADS, and ignored MKL_NUM_THREADS)."""
+    _, sock, _ = server
+    env = {k: v for k, v in os.environ.items() if k not in (*THREAD_VARS, "MKL_DYNAMIC")}
+    env.update(PYTHONPATH=str(REPO), **threads)
+    script = str(WORKERS / "warm_threads.py")
+    cold = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
+                          timeout=120)
+    warm = subprocess.run([sys.executable, "-m", "elasticd.warmstart", str(sock), script], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert cold.returncode == warm.returncode == 0, (cold.stderr, warm.stderr)
+    assert json.loads(warm.stdout) == json.loads(cold.stdout)
