@@ -265,6 +265,7 @@ class Daemon:
             stop_signals=self._stop_signals, rdzv_closed=job.rdzv_closed,
             peers={n: p.view() for n, p in self.membership.peers().items()},
             refused=tuple(p.view() for p in self.prober.take_refused()),
+            probe_answers=self.prober.take_answers(),
             departed=tuple(p.view() for p in self.membership.take_departed()),
             confirmations=self.prober.take_confirmations(),
             eviction=eviction, checkpoint_step=self.scanner.step, rank0_here=progress.rank == 0,
@@ -380,11 +381,6 @@ class Daemon:
             return [*proctree.descendants(pid), psutil.Process(pid)]
         except psutil.Error:
             return []
-
-    def _delete_peer(self, action: Action) -> None:
-        peer = action["peer"]
-        if self.membership.delete_peer(peer):
-            self.log.info("deleted the record of a peer that refused its probe", peer=peer.node_id)
 
     def _confirm_peer(self, action: Action) -> None:
         self.prober.confirm(action["peer"].node_id, action["peer"].probe)
@@ -545,7 +541,6 @@ ACTIONS: dict[Kind, Callable[[Daemon, Action], None]] = {
     Kind.TERMINATE_AGENT: Daemon._terminate_agent,
     Kind.KILL_AGENT: Daemon._kill_agent,
     Kind.KILL_WORKERS: Daemon._kill_workers,
-    Kind.DELETE_PEER: Daemon._delete_peer,
     Kind.CONFIRM_PEER: Daemon._confirm_peer,
     Kind.EVICT: Daemon._evict,
     Kind.LEAVE_RENDEZVOUS: Daemon._leave_rendezvous,
@@ -578,7 +573,8 @@ def policy_from(config: Config) -> Policy:
         crash_loop_failures=sup.crash_loop_failures, crash_loop_window_s=sup.crash_loop_window_s,
         drain_grace_s=sup.drain_grace_s, hang_timeout_s=sup.hang_timeout_s,
         hang_floor_s=sup.hang_floor_s, hang_factor=sup.hang_factor,
-        recovery_mode=config.recovery.mode, recovery_bound_s=config.recovery.bound_s)
+        recovery_mode=config.recovery.mode, recovery_bound_s=config.recovery.bound_s,
+        silent_suspect_s=float(config.node.lease_ttl_s))
 
 
 def config_diff(old: Config, new: Config) -> tuple[dict[str, list], dict[str, list]]:

@@ -52,6 +52,7 @@ class Peer:
     mod_revision: int
     world: WorldView | None = None   # what its workers report of their world (validated)
     store: str | None = None         # HOST:PORT of its daemon's TCP store (validated)
+    suspects: frozenset[str] = frozenset()  # the peers it suspects dead (elasticd.quorum)
 
     @property
     def state(self) -> str:
@@ -68,7 +69,7 @@ class Peer:
 
     def view(self) -> PeerView:
         return PeerView(self.node_id, self.state, self.agent, self.mod_revision, self.probe,
-                        world=self.world, store=self.store)
+                        world=self.world, store=self.store, suspects=self.suspects)
 
 
 def parse_record(node_id: str, value: bytes, mod_revision: int) -> Peer | None:
@@ -83,7 +84,18 @@ def parse_record(node_id: str, value: bytes, mod_revision: int) -> Peer | None:
         log.warning("ignoring a malformed node record", key=f"nodes/{node_id}", problem=problem)
         return None
     record.setdefault("state", "starting")
-    return Peer(node_id, record, mod_revision, _world(node_id, record), _store(node_id, record))
+    return Peer(node_id, record, mod_revision, _world(node_id, record), _store(node_id, record),
+                _suspects(node_id, record))
+
+
+def _suspects(node_id: str, record: dict[str, Any]) -> frozenset[str]:
+    """The record's ``suspects``; a malformed list votes for nobody."""
+    raw = record.get("suspects", [])
+    if isinstance(raw, list) and len(raw) <= 4096 and all(isinstance(n, str) for n in raw):
+        return frozenset(raw)
+    log.warning("ignoring malformed suspects in a node record", key=f"nodes/{node_id}",
+                problem="suspects is not a list of node ids")
+    return frozenset()
 
 
 def _world(node_id: str, record: dict[str, Any]) -> WorldView | None:
@@ -281,14 +293,6 @@ class Membership:
 
     def _peer(self, kv: KeyValue) -> Peer | None:
         return parse_record(kv.key.rsplit("/", 1)[-1], kv.value, kv.mod_revision)
-
-    def delete_peer(self, peer: PeerView) -> bool:
-        """Fenced delete of a dead peer's record, so every daemon sees one event."""
-        try:
-            return self._client.delete_if_revision(self._keys.node(peer.node_id), peer.mod_revision)
-        except EtcdError as exc:
-            log.info("could not delete a dead peer's record yet", peer=peer.node_id, reason=str(exc))
-            return False
 
     def _set_etcd_ok(self, ok: bool, reason: str = "") -> None:
         if ok == self.etcd_ok:

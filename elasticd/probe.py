@@ -9,10 +9,10 @@ connect proves nothing; the daemon's own thread must reply. Outcomes:
 
 Each daemon probes only its ``neighbours`` successors in node-id order (a ring), so a
 daemon's probes per second stay the same whatever the number of nodes, and every node
-is still watched by that many predecessors. A refused probe makes its prober delete the
-dead peer's record; every other daemon learns of the crash from that deletion in its
-watch (and confirms it with one probe of its own), so the eviction is still decided
-through etcd, once.
+is still watched by that many predecessors, and every peer that some record suspects
+(``elasticd.quorum``) is probed by every daemon, so each live member has its own
+answer to vote with. A failed probe is only a suspicion: who is dead is decided by a
+majority of the members (``quorum.condemned``), or by etcd when a peer's lease expires.
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ class Prober:
     With ``me`` and ``neighbours`` > 0 only the ring successors (``ring_successors``) are
     probed; else every peer.
 
-    Only REFUSED is acted on at once (a crashed daemon: certain and immediate); a
-    SILENT peer is left to its lease, because slowness is not death. Probes run
+    Every answer is reported (``take_answers``): the daemon turns a refusal into a
+    suspicion at once and a silence into one after a while (slowness is not death). Probes run
     concurrently, so a few silent peers never delay the others by their timeouts.
     ``confirm`` probes one vanished peer off the caller's thread; its answer is
     collected with ``take_confirmations``.
@@ -114,6 +114,7 @@ class Prober:
                  me: str = "", neighbours: int = 0) -> None:
         self._peers = peers       # () -> {node_id: membership.Peer}
         self._me, self._neighbours = me, neighbours
+        self._answers: dict[str, str] = {}
         self._interval_s = interval_s
         self._timeout_s = timeout_s
         self._confirm_timeout_s = confirm_timeout_s
@@ -137,13 +138,25 @@ class Prober:
                 return  # the pool was shut down: we are stopping
             with self._lock:
                 for peer, liveness in zip(peers, answers, strict=True):
+                    self._answers[peer.node_id] = liveness.value
                     if liveness is Liveness.REFUSED:
                         self._refused[peer.node_id] = peer
 
     def targets(self) -> list[Any]:
-        """The peers this round probes: the ring successors among those with a probe."""
-        probed = {p.node_id: p for p in self._peers().values() if p.probe}
-        return [probed[i] for i in ring_successors(self._me, probed, self._neighbours)]
+        """The peers this round probes: the ring successors among those with a probe, and
+        every peer some record suspects (so that every member votes on it)."""
+        peers = self._peers()
+        probed = {p.node_id: p for p in peers.values() if p.probe}
+        chosen = ring_successors(self._me, probed, self._neighbours)
+        suspected = {n for p in peers.values() for n in getattr(p, "suspects", ())}
+        chosen += sorted(n for n in suspected & set(probed) if n not in chosen and n != self._me)
+        return [probed[i] for i in chosen]
+
+    def take_answers(self) -> dict[str, str]:
+        """The latest answer of each peer probed since the last call (alive|refused|silent)."""
+        with self._lock:
+            answers, self._answers = self._answers, {}
+        return answers
 
     def confirm(self, node_id: str, endpoint: str | None) -> None:
         """Probe a peer once more in the background (no endpoint: it counts as refused)."""

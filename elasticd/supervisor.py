@@ -9,8 +9,9 @@ so every rule, timers included, is unit-tested without processes or network
 (``tests/daemon/test_supervisor.py``).
 
 A cycle first does the bookkeeping that every phase needs (progress and the
-crash counter, worker restarts and their cause, peer news: refused probes,
-vanished records, confirmations, eviction outcomes, kills due), then applies
+crash counter, worker restarts and their cause, peer news: vanished records,
+confirmations, this node's suspicions and the majority's verdicts (``quorum``),
+eviction outcomes, kills due), then applies
 the first matching phase rule. Phases and their edges::
 
     IDLE ──start──▶ RUNNING ──exit 0──▶ COMPLETED
@@ -20,6 +21,8 @@ the first matching phase rule. Phases and their edges::
       │                │                 in-place mode: agree the next generation, the
       │                │                 workers re-form; a re-form that fails or takes
       │                │                 too long falls back to the kill)
+      │                ├──cut off from the majority──▶ (kill our agent) BACKOFF, held until
+      │                │                 the majority is reached again; never a failure
       │                ├──training hang──▶ RUNNING (kill our workers: a crash)
       │                └──loss diverged──▶ FAILED (a restart would diverge again)
     any non-final ──drain──▶ DRAINING ──agent gone──▶ STOPPED
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
+from elasticd import quorum
 from elasticd.generation import GenerationId, GenerationRecord, WorldView
 
 
@@ -60,7 +64,6 @@ class Kind(enum.Enum):
     TERMINATE_AGENT = "terminate_agent"        # SIGTERM the agent's tree (drain)
     KILL_AGENT = "kill_agent"                  # SIGKILL the agent's tree
     KILL_WORKERS = "kill_workers"              # data: pids
-    DELETE_PEER = "delete_peer"                # fenced delete of a refused peer's record; data: peer
     CONFIRM_PEER = "confirm_peer"              # probe a vanished peer once, off the loop; data: peer
     EVICT = "evict"                            # remove dead peers' agents from the rendezvous; data: peers
     LEAVE_RENDEZVOUS = "leave_rendezvous"      # remove our own agent
@@ -125,6 +128,9 @@ class Policy:
     recovery_mode: str = "restart"
     # The workers' re-form bound; the daemon waits IN_PLACE_SLACK_S more, then kills them.
     recovery_bound_s: float = 5.0
+    # A peer whose probes go unanswered this long is suspected (a refusal: at once); the
+    # daemon's default is its lease TTL, the time etcd takes to decide the same.
+    silent_suspect_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,7 @@ class PeerView:
     probe: str | None = None               # HOST:PORT of its liveness probe
     world: WorldView | None = None         # its workers' world, as its record says
     store: str | None = None               # HOST:PORT of its daemon's TCP store
+    suspects: frozenset[str] = frozenset()  # the peers it suspects dead (elasticd.quorum)
 
 
 @dataclass(frozen=True)
@@ -199,6 +206,7 @@ class Snapshot:
     rdzv_closed: bool = False              # torch marked the rendezvous closed
     peers: Mapping[str, PeerView] = field(default_factory=dict)
     refused: tuple[PeerView, ...] = ()     # peers whose liveness probe was refused
+    probe_answers: Mapping[str, str] = field(default_factory=dict)  # node -> alive|refused|silent
     departed: tuple[PeerView, ...] = ()    # peers whose record vanished
     confirmations: Mapping[str, str] = field(default_factory=dict)  # node -> alive|refused|silent
     eviction: Eviction | None = None
@@ -273,6 +281,15 @@ class Memory:
     # empty, or a peer re-formed out once, back, and lost again before the new group's
     # first step would get no kill (its survivors hung until the collective timeout).
     reformed_without: frozenset[str] = frozenset()
+    # elasticd.quorum: this node's own suspicions (node -> (how, since)), published in its
+    # record; when its probes of each peer first went unanswered; the peers a majority
+    # condemned (acted on once, until their record goes); since when this node is cut off
+    # from the majority (it then stops its workers and waits).
+    suspicions: Mapping[str, tuple[str, float]] = field(default_factory=dict)
+    silent_since: Mapping[str, float] = field(default_factory=dict)
+    published_suspects: frozenset[str] = frozenset()
+    condemned: frozenset[str] = frozenset()
+    isolated_since: float | None = None
 
 
 @dataclass(frozen=True)
@@ -425,14 +442,16 @@ def _worker_restarts(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memor
 
 
 def _peer_news(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:
-    """Refused probes, vanished records, confirmations and new peers."""
-    actions = [act(Kind.DELETE_PEER, peer=p) for p in snap.refused]
-    notes = [f"peer {p.node_id} refused its liveness probe" for p in snap.refused]
+    """Vanished records (etcd decided: the peer's lease expired), confirmations, new peers."""
+    actions: list[Action] = []
+    notes: list[str] = []
     refused_at = {n: t for n, t in mem.refused_at.items() if snap.now - t < REFUSED_FRESH_S}
     refused_at.update({p.node_id: snap.now for p in snap.refused})
     suspects = dict(mem.suspects)
     dead = dict(mem.dead)
     for peer in snap.departed:
+        if peer.node_id in mem.condemned:
+            continue   # the majority's verdict was acted on already
         if peer.state in _GONE_STATES:
             dead[peer.node_id] = Death(peer, "left")
         elif peer.node_id in refused_at:
@@ -456,6 +475,56 @@ def _peer_news(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, lis
     mem = replace(mem, suspects=suspects, dead=dead, peers_seen=seen, refused_at=refused_at,
                   membership_changed_at=snap.now if changed else mem.membership_changed_at)
     return mem, actions, "; ".join(notes)
+
+
+def _suspicions(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:
+    """This node's suspicions from its probes, published; the majority's verdicts
+    (``quorum.condemned``) become deaths once each; whether this node is cut off."""
+    mine, silent = _own_suspicions(snap, mem, policy)
+    notes = [_suspicion_note(n, mine[n][0]) for n in sorted(set(mine) - set(mem.suspicions))]
+    actions: list[Action] = []
+    if frozenset(mine) != mem.published_suspects:
+        actions.append(act(Kind.PUBLISH, fields={"suspects": sorted(mine)}))
+    me, votes = snap.node_id, set(mine)
+    condemned = quorum.condemned(me, votes, snap.peers)
+    dead = dict(mem.dead)
+    for node in sorted(condemned - mem.condemned):
+        if node not in mem.evicting:
+            dead[node] = Death(snap.peers[node], mine.get(node, ("silent", 0.0))[0])
+            notes.append(f"a majority of the members suspect peer {node}")
+    isolated = quorum.isolated(me, votes, snap.peers)
+    if isolated and mem.isolated_since is None:
+        notes.append(f"this node reaches {len(snap.peers) + 1 - len(votes & set(snap.peers))} of "
+                     f"the {len(snap.peers) + 1} live members: cut off from the majority")
+    elif not isolated and mem.isolated_since is not None:
+        notes.append("this node reaches the majority again")
+    mem = replace(mem, suspicions=mine, silent_since=silent, published_suspects=frozenset(mine),
+                  dead=dead, condemned=(mem.condemned | condemned) & frozenset(snap.peers),
+                  isolated_since=(mem.isolated_since or snap.now) if isolated else None)
+    return mem, actions, "; ".join(notes)
+
+
+def _own_suspicions(snap: Snapshot, mem: Memory, policy: Policy
+                    ) -> tuple[dict[str, tuple[str, float]], dict[str, float]]:
+    """A refusal is a suspicion at once, a silence after ``silent_suspect_s``, an answer
+    clears both; a peer without a record is no longer anyone's to judge."""
+    answers = {**snap.probe_answers, **{p.node_id: "refused" for p in snap.refused}}
+    mine = {n: v for n, v in mem.suspicions.items() if n in snap.peers}
+    silent = {n: t for n, t in mem.silent_since.items() if n in snap.peers}
+    for node, answer in answers.items():
+        if node not in snap.peers or answer == "alive":
+            mine.pop(node, None)
+            silent.pop(node, None)
+        elif answer == "refused":
+            mine.setdefault(node, ("crashed", snap.now))
+        elif snap.now - silent.setdefault(node, snap.now) >= policy.silent_suspect_s:
+            mine.setdefault(node, ("silent", snap.now))
+    return mine, silent
+
+
+def _suspicion_note(node: str, how: str) -> str:
+    return (f"peer {node} refused its liveness probe" if how == "crashed"
+            else f"peer {node} has not answered its probes")
 
 
 def _eviction_outcome(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:
@@ -652,6 +721,7 @@ def _signals(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[
 # before _worker_restarts (an exit during a re-form makes the restart a membership one);
 # _shrink_outcome before _eviction_outcome (a failed SHRINK plans the restart's kill).
 _BOOKKEEPING: tuple[Step, ...] = (_signals, _in_place, _progress, _worker_restarts, _peer_news,
+                                  _suspicions,
                                   _shrink_outcome, _eviction_outcome, _kill_due,
                                   _generation_news, _publish_world, _checkpoint, _journal_progress)
 
@@ -727,6 +797,12 @@ def _agent_exited(snap: Snapshot, mem: Memory, policy: Policy):
     if snap.job_state == "completed":
         return (replace(mem, phase=Phase.COMPLETED), [],
                 f"the agent exited {snap.agent_exit} after the job completed elsewhere")
+    if mem.isolated_since is not None:
+        # The fault is the cut, charged to no one's crash budget: the node waits for it.
+        return (replace(mem, phase=Phase.BACKOFF, restart_at=snap.now),
+                [act(Kind.PUBLISH, fields={"state": "backoff", "agent_pid": None})],
+                f"the agent exited with code {snap.agent_exit} while this node is cut off from "
+                "the majority (not counted as a failure)")
     failures = _recent(mem.failures, snap.now, policy)
     count = len(failures) + 1
     if count >= policy.crash_loop_failures:
@@ -740,6 +816,17 @@ def _agent_exited(snap: Snapshot, mem: Memory, policy: Policy):
                   act(Kind.JOURNAL, event="agent-failed", fields={"exit_code": snap.agent_exit})],
             f"the agent exited with code {snap.agent_exit} (failure {count} of "
             f"{policy.crash_loop_failures}); restarting it in {delay:.1f} s")
+
+
+def _isolated(snap: Snapshot, mem: Memory, policy: Policy):
+    """Cut off from the majority: stop our workers (the majority goes on without this
+    node, and must not find it in its next round) and start nothing until it is back."""
+    if mem.isolated_since is None or mem.phase not in (Phase.RUNNING, Phase.BACKOFF):
+        return None
+    if _agent_running(snap):
+        return mem, [act(Kind.KILL_AGENT)], \
+            "stopping this node's workers until it reaches the majority of the members again"
+    return mem, [], ""
 
 
 def _count_failure(mem: Memory, failures: tuple[float, ...], now: float) -> Memory:
@@ -893,4 +980,4 @@ def _start(snap: Snapshot, mem: Memory, policy: Policy):
 
 
 _RULES: tuple[Rule, ...] = (_hard_stop, _drain, _agent_exited, _job_completed, _reopen, _diverged,
-                            _dead_peers, _hang, _worker_crash_loop, _start)
+                            _isolated, _dead_peers, _hang, _worker_crash_loop, _start)

@@ -135,6 +135,19 @@ class PartitionPeers(NetFault):
                 ["-o", "eth0", "-j", "DROP"], ["-i", "eth0", "-j", "DROP"]]
 
 
+class PartitionPeersReject(NetFault):
+    name = "partition-peers-reject"
+    summary = ("cut one node from its peers by rejecting (TCP resets, both ways), etcd still "
+               "reachable; heal after lease + 5 s")
+
+    def rules(self, t: Target, victim: DaemonNode) -> list[list[str]]:
+        etcd = _etcd_host(t)
+        reset = ["-p", "tcp", "-j", "REJECT", "--reject-with", "tcp-reset"]
+        return [["-o", "eth0", "-d", etcd, "-j", "RETURN"], ["-i", "eth0", "-s", etcd, "-j", "RETURN"],
+                ["-o", "eth0", *reset], ["-i", "eth0", *reset],
+                ["-o", "eth0", "-j", "DROP"], ["-i", "eth0", "-j", "DROP"]]
+
+
 class PartitionOneWay(NetFault):
     name = "partition-oneway"
     summary = "drop every packet the node sends (what is sent to it still arrives); heal after lease + 5 s"
@@ -329,5 +342,5 @@ class Netem(NetFault):
 
 
 NET_INJECTORS: tuple[type[Injector], ...] = (
-    PartitionEtcd, PartitionPeers, PartitionOneWay, PartitionOneWayIn, Netem)
+    PartitionEtcd, PartitionPeers, PartitionPeersReject, PartitionOneWay, PartitionOneWayIn, Netem)
 INJECTORS.update({cls.name: cls for cls in NET_INJECTORS})

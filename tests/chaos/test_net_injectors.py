@@ -50,13 +50,17 @@ def expect(kind: str, root: Path, nodes: list[str], fault: FaultRecord, m: Fault
         assert m.recovery_s == 0.0 and m.steps_lost == 0, m
         assert all(daemon_events(root, p, fault, "vanished but it answers") for p in peers)
         assert daemon_events(root, victim, fault, "lease was lost; re-registering")
-    if kind == "partition-peers":
-        # Nothing is lost and one world is kept, but nothing is done either: the victim's
-        # lease lives (it reaches etcd), so nobody evicts it, and the job waits in a
-        # collective for the whole cut, then goes on as TCP retransmits (see
-        # docs/architecture.md, "Network faults": a known gap).
+    if kind in ("partition-peers", "partition-peers-reject"):
+        # The victim's lease lives (it reaches etcd), so no lease decides: the majority
+        # does (elasticd.quorum). Its peers suspect it (a reset at once, a silence after
+        # the lease TTL), evict it and re-form in place; the victim finds itself cut off
+        # from the majority, stops its own workers and fences out nobody; nobody counts a
+        # crash; after the heal it rejoins.
         assert m.steps_lost == 0, m
-        assert not any(daemon_events(root, n, fault, "evict") for n in nodes)
+        assert all(daemon_events(root, p, fault, "a majority of the members suspect") for p in peers)
+        assert daemon_events(root, victim, fault, "cut off from the majority")
+        assert not daemon_events(root, victim, fault, "a majority of the members suspect")
+        assert not any(daemon_events(root, n, fault, "failure 1 of") for n in nodes)
     if kind in ("partition-oneway", "partition-oneway-in"):
         # The victim goes silent to its peers and to etcd: its lease expires, its peers
         # evict it and re-form in place without it; after the heal it finds the newer

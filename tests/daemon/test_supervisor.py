@@ -202,10 +202,68 @@ def test_the_first_worker_group_of_an_agent_is_not_a_restart():
 
 # -- peers: refused, vanished, confirmed, evicted, killed -------------------------------
 
-def test_a_refused_probe_deletes_the_peers_record():
-    out = d(live(refused=(B,)))
-    assert [(a.kind, a["peer"]) for a in out.actions] == [(Kind.DELETE_PEER, B)]
+C = PeerView("c", "running", ("127.0.0.3", 78), 6, "127.0.0.3:9")
+PEERS = {"b": B, "c": C}
+
+
+def test_a_refused_probe_is_a_suspicion_published_in_the_record_not_a_death():
+    out = d(live(node_id="a", peers=PEERS, refused=(B,)))
+    assert [(a.kind, a["fields"]) for a in out.actions] == [(Kind.PUBLISH, {"suspects": ["b"]})]
     assert out.reason == "peer b refused its liveness probe"
+    assert not out.memory.dead and out.memory.suspicions["b"] == ("crashed", T)
+    again = d(live(node_id="a", now=T + 0.5, peers=PEERS, refused=(B,)), out.memory)
+    assert again.actions == ()                       # published once
+
+
+def test_a_peer_a_majority_suspects_is_condemned_once():
+    mine = d(live(node_id="a", peers=PEERS, refused=(B,))).memory
+    c_too = {"b": B, "c": replace(C, suspects=frozenset({"b"}))}
+    out = d(live(node_id="a", now=T + 0.1, peers=c_too), mine)
+    assert out.kinds()[0] is Kind.EVICT and out.memory.evicting["b"].how == "crashed"
+    assert "a majority of the members suspect peer b" in out.reason
+    later = d(live(node_id="a", now=T + 0.2, peers=c_too), out.memory)
+    assert Kind.EVICT not in later.kinds()
+    # Its lease expires later: etcd's verdict on the same death is not a second eviction.
+    gone = d(live(node_id="a", now=T + 5, peers={"c": C}, departed=(B,)), later.memory)
+    assert Kind.EVICT not in gone.kinds() and Kind.CONFIRM_PEER not in gone.kinds()
+
+
+def test_a_minority_of_one_suspicion_condemns_nobody():
+    out = d(live(node_id="a", peers=PEERS, refused=(B,)))
+    assert not out.memory.dead and out.memory.isolated_since is None
+
+
+def test_a_node_cut_off_from_the_majority_evicts_nobody_and_stops_its_workers():
+    """Issue 29 finding 4: behind a REJECT cut, c took its refused probes as deaths and
+    fenced the healthy two out of the job."""
+    a = PeerView("a", "running", ("127.0.0.1", 76), 4, "127.0.0.1:9")
+    peers = {"a": a, "b": B}
+    out = d(live(node_id="c", peers=peers, refused=(a, B)), RUNNING)
+    assert Kind.EVICT not in out.kinds() and Kind.SHRINK not in out.kinds()
+    assert Kind.KILL_AGENT in out.kinds() and out.memory.isolated_since == T
+    assert "cut off from the majority" in out.reason
+    exited = d(live(node_id="c", now=T + 1, peers=peers, agent_exit=-9), out.memory)
+    assert exited.memory.failures == () and exited.phase is Phase.BACKOFF
+    held = d(snap(node_id="c", now=T + 30, peers=peers, agent_pid=AGENT, agent_exit=-9),
+             exited.memory)
+    assert Kind.START_AGENT not in held.kinds()
+    back = d(snap(node_id="c", now=T + 31, peers=peers, agent_pid=AGENT, agent_exit=-9,
+                  probe_answers={"a": "alive", "b": "alive"}), held.memory)
+    assert back.memory.isolated_since is None and Kind.START_AGENT in back.kinds()
+
+
+def test_a_silent_peer_is_suspected_after_the_bound_and_an_answer_clears_it():
+    p = replace(POLICY, silent_suspect_s=5.0)
+    first = d(live(node_id="a", peers=PEERS, probe_answers={"b": "silent"}), RUNNING, p)
+    assert not first.memory.suspicions and first.memory.silent_since == {"b": T}
+    later = d(live(node_id="a", now=T + 5, peers=PEERS, probe_answers={"b": "silent"}),
+              first.memory, p)
+    assert later.memory.suspicions["b"][0] == "silent"
+    assert "peer b has not answered its probes" in later.reason
+    cleared = d(live(node_id="a", now=T + 6, peers=PEERS, probe_answers={"b": "alive"}),
+                later.memory, p)
+    assert not cleared.memory.suspicions and not cleared.memory.silent_since
+    assert [(a.kind, a["fields"]) for a in cleared.actions] == [(Kind.PUBLISH, {"suspects": []})]
 
 
 def test_a_vanished_peer_is_confirmed_off_the_loop():
@@ -233,10 +291,11 @@ def test_a_vanished_peer_that_just_refused_its_probe_is_a_crash_at_once():
 
 
 def test_the_phase_decision_leads_the_sentence():
-    refused = d(live(refused=(B,))).memory
-    out = d(live(now=T + 0.3, departed=(B,), refused=(B,)), refused)
+    refused = d(live(node_id="a", peers=PEERS, refused=(B,))).memory
+    out = d(live(node_id="a", now=T + 0.3, peers={"c": C}, departed=(B,), refused=(B,),
+                 probe_answers={"c": "refused"}), refused)
     assert out.reason.startswith("peer(s) b lost; evicting them")
-    assert out.reason.endswith("peer b refused its liveness probe")
+    assert out.reason.endswith("peer c refused its liveness probe")
 
 
 def test_a_vanished_peer_that_answers_is_left_alone():
