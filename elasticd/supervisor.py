@@ -788,6 +788,14 @@ def _agent_exited(snap: Snapshot, mem: Memory, policy: Policy):
     if snap.agent_exit is None or mem.exit_handled:
         return None
     mem = replace(mem, exit_handled=True, workers=frozenset(), kill_at=None)
+    if mem.isolated_since is not None:
+        # Killed by us (measured: torchrun killed that way can exit 0, which read as the
+        # job's completion and stopped the healthy nodes). The fault is the cut, charged
+        # to no one's crash budget: the node waits for it to heal.
+        return (replace(mem, phase=Phase.BACKOFF, restart_at=snap.now),
+                [act(Kind.PUBLISH, fields={"state": "backoff", "agent_pid": None})],
+                f"the agent exited with code {snap.agent_exit} while this node is cut off from "
+                "the majority (neither a completion nor a failure)")
     if snap.agent_exit == 0:
         return (replace(mem, phase=Phase.COMPLETED),
                 [act(Kind.MARK_COMPLETED), act(Kind.PUBLISH, fields={"state": "completed",
@@ -797,12 +805,6 @@ def _agent_exited(snap: Snapshot, mem: Memory, policy: Policy):
     if snap.job_state == "completed":
         return (replace(mem, phase=Phase.COMPLETED), [],
                 f"the agent exited {snap.agent_exit} after the job completed elsewhere")
-    if mem.isolated_since is not None:
-        # The fault is the cut, charged to no one's crash budget: the node waits for it.
-        return (replace(mem, phase=Phase.BACKOFF, restart_at=snap.now),
-                [act(Kind.PUBLISH, fields={"state": "backoff", "agent_pid": None})],
-                f"the agent exited with code {snap.agent_exit} while this node is cut off from "
-                "the majority (not counted as a failure)")
     failures = _recent(mem.failures, snap.now, policy)
     count = len(failures) + 1
     if count >= policy.crash_loop_failures:

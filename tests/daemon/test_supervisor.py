@@ -244,6 +244,9 @@ def test_a_node_cut_off_from_the_majority_evicts_nobody_and_stops_its_workers():
     assert "cut off from the majority" in out.reason
     exited = d(live(node_id="c", now=T + 1, peers=peers, agent_exit=-9), out.memory)
     assert exited.memory.failures == () and exited.phase is Phase.BACKOFF
+    # torchrun killed that way can exit 0 (seen in a partition run): not the job's completion.
+    zero = d(live(node_id="c", now=T + 1, peers=peers, agent_exit=0), out.memory)
+    assert zero.phase is Phase.BACKOFF and Kind.MARK_COMPLETED not in zero.kinds()
     held = d(snap(node_id="c", now=T + 30, peers=peers, agent_pid=AGENT, agent_exit=-9),
              exited.memory)
     assert Kind.START_AGENT not in held.kinds()
