@@ -67,6 +67,11 @@ def guard_released() -> str | None:
     return None if _GUARD is None else _GUARD.why
 
 
+def guard_unfinished() -> int:
+    """How many collectives of the guarded group are still unfinished (0 without a guard)."""
+    return 0 if _GUARD is None else _GUARD.unfinished()
+
+
 def synced_backward(loss: torch.Tensor) -> None:
     """``loss.backward()`` where DDP all-reduces gradients; peer failures become CollectiveError."""
     try:
@@ -308,6 +313,8 @@ class Agreement:
                 buf[1] = loss_sum.detach() if isinstance(loss_sum, torch.Tensor) else loss_sum
         with _translated("stop agreement"):
             work = dist.all_reduce(buf, async_op=True)
+        if _GUARD is not None:  # in flight until the next step reads it
+            _GUARD.track(work)
         event = None
         if buf.is_cuda:
             buf, event = self._to_host(work, buf)

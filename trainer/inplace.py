@@ -119,6 +119,7 @@ class CollectiveGuard:
         self.backend = backend
         self.timeout_s = timeout_s
         self.why: str | None = None
+        self._tracked: list[Any] = []  # every collective started through this guard
         self._queue: collections.deque[tuple[Any, torch.futures.Future, torch.Tensor]] = (
             collections.deque())
         self._wake = threading.Condition()
@@ -127,6 +128,7 @@ class CollectiveGuard:
 
     def wait(self, work: Any, what: str) -> None:
         """Block until ``work`` completes; raise ``Released`` or the collective's error."""
+        self.track(work)
         started = time.monotonic()
         while not self._done(work, started, what):
             self._check_released()
@@ -143,10 +145,27 @@ class CollectiveGuard:
             fut.set_exception(Released(self.why))
             return fut
         work = dist.all_reduce(buf, async_op=True)
+        self.track(work)
         with self._wake:
             self._queue.append((work, fut, buf))
             self._wake.notify()
         return fut
+
+    def track(self, work: Any) -> None:
+        """Count ``work`` among this group's collectives (``unfinished`` reads them); an
+        asynchronous one nobody waits on yet (the stop agreement in flight) too."""
+        with self._wake:
+            self._tracked = [w for w in self._tracked if not w.is_completed()]
+            self._tracked.append(work)
+
+    def unfinished(self) -> int:
+        """How many collectives started through this guard have not finished (completed
+        or failed): on gloo each holds one of the group's worker threads. After a peer's
+        crash some can be stuck on a *live* survivor, which abandoned its side of them
+        when its own collective failed, as surely as after a release from a frozen peer."""
+        with self._wake:
+            self._tracked = [w for w in self._tracked if not w.is_completed()]
+            return len(self._tracked)
 
     def close(self) -> None:
         with self._wake:

@@ -48,6 +48,7 @@ class InPlace:
         self.ddp_kwargs = dict(ddp_kwargs or {})
         self.on_world = on_world or (lambda: None)
         self.mechanism = ""  # the last re-form's (trainer.reform)
+        self.stuck = False  # whether the old group's collectives could be stuck then
 
     @property
     def enabled(self) -> bool:
@@ -109,7 +110,8 @@ class InPlace:
             return None
         took = time.monotonic() - started
         es.report("reformed", from_world_size=from_world, duration_s=round(took, 4),
-                  cause=cause, lost=list(record.lost), mechanism=self.mechanism)
+                  cause=cause, lost=list(record.lost), mechanism=self.mechanism,
+                  stuck=self.stuck)
         log.info(f"re-formed in place in {took:.3f} s by {self.mechanism}: rank {es.ctx.rank} "
                  f"of {es.ctx.world_size} in generation {record.id} (was {from_world} in "
                  f"{from_gen}); redoing step {es.state.step + 1}")
@@ -135,9 +137,11 @@ class InPlace:
         assert es.agreement is not None
         es.agreement.discard()  # the old group's; stop requests are re-sent (sticky)
         backend = self.backend
-        released = tdist.guard_released() is not None  # collectives may still be stuck
+        # The old group's collectives may be stuck: released from a frozen peer, or left
+        # unfinished by a survivor that gave up its side of them (reform.Renew says why).
+        self.stuck = tdist.guard_released() is not None or tdist.guard_unfinished() > 0
         tdist.install_guard(None)
-        mechanism = reform.mechanism_for(backend, tdist.RETAINED, released)
+        mechanism = reform.mechanism_for(backend, tdist.RETAINED, self.stuck)
         self.mechanism = mechanism.name
         if mechanism.name != reform.RECONFIGURE:
             # The abandoned group must never be destroyed in this thread (tdist.shutdown

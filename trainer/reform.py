@@ -11,9 +11,9 @@
   keep its objects alive) and ``init_process_group`` anew through the generation's
   store. The only way on torch 2.13, on NCCL's legacy backend and for a group the
   script created itself.
-* ``renew``: a reconfigurable gloo group released from a frozen peer is left (as by
-  destroy + init) and a new reconfigurable group is created in the generation (``Renew``
-  says why).
+* ``renew``: a reconfigurable gloo group whose collectives may be stuck (released from
+  a frozen peer, or left unfinished after a crash) is left (as by destroy + init) and a
+  new reconfigurable group is created in the generation (``Renew`` says why).
 
 The choice is made when the group is created, by asking torch, not by reading its
 version: ``reconfigure_api()`` (the functions exist) and, after the group exists,
@@ -47,8 +47,8 @@ from trainer import inplace
 
 RECONFIGURE = "reconfigure"
 DESTROY_INIT = "destroy-init"
-# A reconfigurable group whose collectives may be stuck (gloo, after the guard released the
-# waiters on a frozen peer) is left and a new reconfigurable one created (``Renew``).
+# A reconfigurable group whose collectives may be stuck (gloo: the guard released the waiters
+# on a frozen peer, or left collectives unfinished) is left and a new one created (``Renew``).
 RENEW = "renew"
 
 # Under a generation's store prefix: each member's reconfigure handle, by its new rank.
@@ -62,15 +62,15 @@ def nccl_backend() -> str:
     return "nccl2" if reconfigure_api() and nccl2_backend() else "nccl"
 
 
-def planned_mechanism(backend: str, released: bool = False) -> str:
+def planned_mechanism(backend: str, stuck: bool = False) -> str:
     """What ``auto`` will re-form a ``backend`` group with, as far as torch can tell before
     a group exists: reconfigure where the API is there (for NCCL: and ``nccl2`` too);
-    ``released``: after the guard let go of waiters on a frozen peer (``mechanism_for``)."""
+    ``stuck``: when the old group's collectives may be stuck (``mechanism_for``)."""
     if not reconfigure_api():
         return DESTROY_INIT
     if inplace.is_nccl(backend):
         return RECONFIGURE if nccl_backend() == "nccl2" else DESTROY_INIT
-    return RENEW if released else RECONFIGURE
+    return RENEW if stuck else RECONFIGURE
 
 
 def generation_uuid(gen: GenerationId) -> int:
@@ -170,8 +170,8 @@ class Reconfigure:
         self.store = store
 
     def leave(self, seconds: float) -> None:
-        """Nothing to let go of: the next reconfigure replaces the communicator (a
-        collective stuck on a frozen peer was released by the guard's bounded wait)."""
+        """Nothing to let go of: the next reconfigure replaces the communicator (chosen
+        only when no collective of the old one could be stuck: ``mechanism_for``)."""
 
     def join(self, record: GenerationRecord, rank: int, backend: str, device: torch.device,
              timeout: timedelta, seconds: float,
@@ -205,7 +205,9 @@ class Renew(DestroyInit):
     on a frozen peer keeps its thread until the group's timeout; with two stuck (the
     stop agreement in flight and a gradient bucket: the usual case after a release) the
     reconfigure itself never runs (measured on 2.14.1: it hung until the bound, abort()
-    did not free them). A new group has threads of its own."""
+    did not free them). A new group has threads of its own. A crash can leave them stuck
+    too: a survivor whose own collective failed gives up its side of the others, and a
+    peer's collective waiting on it stays unfinished; the guard counts them."""
 
     name = RENEW
 
@@ -219,14 +221,15 @@ class Renew(DestroyInit):
         join_as_newcomer(record, rank, backend, device, timeout, seconds, newer=newer)
 
 
-def mechanism_for(backend: str, retain: list[object], released: bool = False) -> Mechanism:
+def mechanism_for(backend: str, retain: list[object], stuck: bool = False) -> Mechanism:
     """The mechanism for the current default group: reconfigure it where it was created
-    reconfigurable (``create_group``), unless its collectives may be stuck (``released``:
-    the guard let go of waiters on a frozen peer; gloo only, nccl2's reconfigure tears the
-    old communicator down): then ``Renew``; destroy + init for any other group."""
+    reconfigurable (``create_group``), unless its collectives may be stuck (``stuck``: the
+    guard let go of waiters on a frozen peer, or collectives it started are unfinished;
+    gloo only, nccl2's reconfigure tears the old communicator down): then ``Renew``;
+    destroy + init for any other group."""
     store = _CREATED.get("store")
     if store is not None and dist.is_initialized() and dist._supports_reconfigure():
-        if released and not inplace.is_nccl(backend):
+        if stuck and not inplace.is_nccl(backend):
             return Renew(backend, retain)
         return Reconfigure(store)
     return DestroyInit(backend, retain)

@@ -69,7 +69,7 @@ def _reformed_in_place(survivors: list[TorchrunNode], victim: TorchrunNode, sinc
         reformed = [r for r in records if r["event"] == "reformed"]
         assert len(reformed) == 1, node.log_tail()
         assert reformed[0]["lost"] == [lost]
-        assert reformed[0]["mechanism"] == reform.planned_mechanism("gloo")
+        assert reformed[0]["mechanism"] == reform.planned_mechanism("gloo", reformed[0]["stuck"])
         assert not [r for r in records if r["event"] == "resumed" and r["time"] > since], \
             "a survivor's workers were restarted"
         # The agent's one sentence (its log is torchrun's console output, not JSON lines).

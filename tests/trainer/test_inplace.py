@@ -162,19 +162,20 @@ def _final_matches_the_replay(world: World, survivor: str, final: int) -> dict:
     return history
 
 
-# The mechanism this torch re-forms with (trainer.reform): torch's reconfigure API where it
-# has one (the torch 2.14+ lane), destroy + init on 2.13 (the default lane).
-MECHANISM = reform.planned_mechanism("gloo")
 # After a release (a frozen peer) a reconfigurable gloo group is renewed (trainer.reform.Renew).
-RELEASED = reform.planned_mechanism("gloo", released=True)
+RELEASED = reform.planned_mechanism("gloo", stuck=True)
 
 
 def _reformed(worker: Worker, *mechanisms: str) -> list[dict]:
-    """The worker's re-forms, each by one of ``mechanisms`` (default: the planned one; a
-    script that creates its own group, as ddp_inplace.py does, re-forms by destroy + init
-    on any torch)."""
+    """The worker's re-forms, each by one of ``mechanisms`` (default: the one this torch
+    plans for what the worker found, ``planned_mechanism(stuck=...)``: reconfigure on the
+    torch 2.14+ lane unless collectives could be stuck, destroy + init on 2.13; a script
+    that creates its own group, as ddp_inplace.py does, re-forms by destroy + init on any
+    torch)."""
     events = [r for r in worker.progress() if r["event"] == "reformed"]
-    assert all(e["mechanism"] in (mechanisms or (MECHANISM,)) for e in events), events
+    for e in events:
+        allowed = mechanisms or (reform.planned_mechanism("gloo", e["stuck"]),)
+        assert e["mechanism"] in allowed, events
     return events
 
 
@@ -240,7 +241,7 @@ def test_a_re_form_whose_store_host_dies_follows_the_next_generation(world_of, t
     second = shrink(first, ("n2",), {"n1": f"127.0.0.1:{world.store.port}"}, cause="peer-lost")
     write_file(str(world.worker("n1").generation_file), second)
     assert world.wait("n1") == 0
-    (event,) = _reformed(world.worker("n1"), MECHANISM, RELEASED)   # released: the record came first
+    (event,) = _reformed(world.worker("n1"))   # renewed if the record came first
     assert event["generation"] == second.id.as_dict() and event["world_size"] == 1
     history = _final_matches_the_replay(world, "n1", final)
     assert {w for w, _ in history.values()} == {3, 1}
@@ -394,7 +395,7 @@ def test_a_generation_superseded_during_the_join_is_followed_not_waited_out(worl
     for node in ("n0", "n3"):
         worker = world.worker(node)
         assert [r for r in worker.progress() if r["event"] == "reform-failed"] == []
-        (event,) = _reformed(worker, MECHANISM, RELEASED)
+        (event,) = _reformed(worker)
         assert event["generation"] == second.id.as_dict() and event["world_size"] == 2
         assert event["duration_s"] < 5.0
         assert any("was agreed while joining" in str(r.get("event")) for r in worker.records())
