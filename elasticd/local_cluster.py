@@ -274,10 +274,13 @@ class DaemonNode(Node):
     """One daemon (and, under it, its torchrun agent and workers) run as a subprocess.
 
     ``config_kw`` goes to ``write_config`` (entrypoint, min/max nodes, extra lines ...).
+    ``ckpt_dir``: this node's checkpoint directory (default: the cluster's shared one;
+    another stands for a node whose mount failed).
     """
 
     config_kw: dict = field(default_factory=dict)
     env: dict = field(default_factory=dict)
+    ckpt_dir: Path | None = None
 
     @property
     def config_path(self) -> Path:
@@ -297,7 +300,8 @@ class DaemonNode(Node):
 
     def prepare(self) -> None:
         write_config(self.config_path, job=self.job, node=self.name, endpoint=self.endpoint,
-                     run_dir=self.run_dir, ckpt_dir=self.root / "ckpt", **self.config_kw)
+                     run_dir=self.run_dir, ckpt_dir=self.ckpt_dir or self.root / "ckpt",
+                     **self.config_kw)
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "elasticd", "run", "--config", str(self.config_path)]

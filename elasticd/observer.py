@@ -27,7 +27,7 @@ from elasticd.etcd_client import EtcdClient, KeyValue
 from elasticd.generation import GenerationId, GenerationRecord, GenerationRecordError, WorldView
 from elasticd.rendezvous import state_ops
 from elasticd.rendezvous.keys import JobKeys
-from elasticd.rendezvous.rounds import CorruptRoundError, decode_pointer
+from elasticd.rendezvous.rounds import CorruptRoundError, World, decode_pointer
 from elasticd.supervisor import Reform
 
 log = structlog.get_logger(__name__)
@@ -45,6 +45,7 @@ class Progress:
     generation: GenerationId | None = None   # the workers' generation (absent: plain torchrun)
     local_world_size: int | None = None
     reform: Reform | None = None     # the details of a reformed / reform-failed event
+    reason: str | None = None        # why, for an event that says (unfit, peer-unfit, ...)
 
     def world(self, node: str) -> WorldView | None:
         """What this node publishes of its workers' world (``world`` in its record)."""
@@ -72,7 +73,8 @@ def parse_progress(raw: Any) -> Progress | None:
         return None
     generation = _generation(raw.get("generation"))
     reform = _reform(event, raw) if event in _REFORM_EVENTS else None
-    return Progress(step, world, event, restarts, rank, generation, local, reform)
+    reason = raw.get("reason") if isinstance(raw.get("reason"), str) else None
+    return Progress(step, world, event, restarts, rank, generation, local, reform, reason)
 
 
 def _generation(raw: Any) -> GenerationId | None:
@@ -130,6 +132,9 @@ class JobView:
     drain_reason: str | None = None   # set when `elasticd drain` asked for this node
     rdzv_closed: bool = False
     round: int | None = None
+    # Keyed rounds: the agents (addr, pid) of that round's world (empty: unknown, or
+    # torch's layout); read once per round, a world record never changes.
+    round_members: frozenset[tuple[str, int]] = frozenset()
     generation: GenerationRecord | None = None   # the agreed in-place generation
     ok: bool = True                   # the last read succeeded
 
@@ -168,12 +173,36 @@ class JobReader:
             self.view = dataclasses.replace(self.view, ok=False)
             return self.view
         round_, closed = self._round(found)
+        members = self._members(round_, self._keys.rdzv_round in found)
+        if members is None:
+            self.view = dataclasses.replace(self.view, ok=False)
+            return self.view
         self.view = JobView(
             job_state=self._field(found.get(self._keys.state), "state"),
             drain_reason=self._drain(found.get(self._drain_key)),
-            rdzv_closed=closed, round=round_,
+            rdzv_closed=closed, round=round_, round_members=members,
             generation=self._generation_record(found.get(self._keys.generation)))
         return self.view
+
+    def _members(self, round_: int | None, keyed: bool) -> frozenset[tuple[str, int]] | None:
+        """The agents of keyed round ``round_``'s world (the last view's if it is the same
+        round); None on an etcd error."""
+        if not keyed or round_ is None:
+            return frozenset()
+        if round_ == self.view.round and self.view.round_members:
+            return self.view.round_members
+        try:
+            kv = self._client.get(self._keys.rdzv_world(round_))
+        except EtcdError:
+            return None
+        if kv is None:
+            return frozenset()
+        try:
+            world = World.decode(kv.value, kv.key)
+        except CorruptRoundError as exc:
+            self._warn(kv, str(exc))
+            return frozenset()
+        return frozenset((m.addr, m.pid) for m in world.members)
 
     def _generation_record(self, kv: KeyValue | None) -> GenerationRecord | None:
         if kv is None:

@@ -23,8 +23,11 @@ the first matching phase rule. Phases and their edges::
       │                │                 too long falls back to the kill)
       │                ├──cut off from the majority──▶ (kill our agent) BACKOFF, held until
       │                │                 the majority is reached again; never a failure
+      │                ├──our agent's round names a gone agent──▶ (kill our agent) BACKOFF,
+      │                │                 restarted at once; never a failure
       │                ├──training hang──▶ RUNNING (kill our workers: a crash)
-      │                └──loss diverged──▶ FAILED (a restart would diverge again)
+      │                ├──loss diverged──▶ FAILED (a restart would diverge again)
+      │                └──this node cannot resume──▶ FAILED (it leaves; the others go on)
     any non-final ──drain──▶ DRAINING ──agent gone──▶ STOPPED
     any non-final ──job completed elsewhere, agent gone──▶ COMPLETED
     any non-final ──second stop signal──▶ STOPPED (hard)
@@ -131,6 +134,10 @@ class Policy:
     # A peer whose probes go unanswered this long is suspected (a refusal: at once); the
     # daemon's default is its lease TTL, the time etcd takes to decide the same.
     silent_suspect_s: float = 5.0
+    # A round whose world names an agent no live record has (its node gone, condemned, or
+    # its agent replaced) is waited in for this long before our agent is released from it
+    # (a record that names a peer's new agent may be that much behind its round).
+    broken_round_grace_s: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -199,11 +206,15 @@ class Snapshot:
     workers: frozenset[int] = frozenset()  # the agent's worker pids
     step: int | None = None                # progress file: last completed step ...
     progress_event: str | None = None      # ... and its event (step, checkpoint, stopped, ...)
+    progress_reason: str | None = None     # ... and why, where the event says (unfit, ...)
     job_state: str | None = None           # etcd: running | completed
     drain_request: str | None = None       # why a drain was asked (signal, `elasticd drain`, notice)
     notice_deadline: float | None = None   # when a preemption notice says the node is taken
     stop_signals: int = 0                  # SIGTERM/SIGINT received so far
     rdzv_closed: bool = False              # torch marked the rendezvous closed
+    round: int | None = None               # the rendezvous' newest round ...
+    round_members: frozenset[tuple[str, int]] = frozenset()  # ... its agents (keyed rounds)
+    agent_addr: str = ""                   # the address our agent joins with
     peers: Mapping[str, PeerView] = field(default_factory=dict)
     refused: tuple[PeerView, ...] = ()     # peers whose liveness probe was refused
     probe_answers: Mapping[str, str] = field(default_factory=dict)  # node -> alive|refused|silent
@@ -290,6 +301,10 @@ class Memory:
     published_suspects: frozenset[str] = frozenset()
     condemned: frozenset[str] = frozenset()
     isolated_since: float | None = None
+    # Since when the round our agent is forming names an agent that is gone; whether we
+    # killed our agent to release it from that round (its exit is then no failure).
+    round_broken_since: float | None = None
+    agent_released: bool = False
 
 
 @dataclass(frozen=True)
@@ -413,8 +428,10 @@ def restart_cause(now: float, membership_changed_at: float, progress_event: str 
                   window_s: float) -> str:
     """Why the agent restarted its workers: ``membership`` (a peer left or joined, a drain,
     our own eviction) or ``crash``. Only crashes count against the restart budget."""
-    if progress_event == "stopped":
-        return "membership"   # a coordinated stop: someone is leaving or joining
+    if progress_event in ("stopped", "peer-unfit"):
+        # A coordinated stop (someone is leaving or joining), or a peer node that could
+        # not resume the job (trainer.fitness: its own daemon leaves it).
+        return "membership"
     if now - membership_changed_at <= window_s:
         return "membership"
     return "crash"
@@ -788,14 +805,16 @@ def _agent_exited(snap: Snapshot, mem: Memory, policy: Policy):
     if snap.agent_exit is None or mem.exit_handled:
         return None
     mem = replace(mem, exit_handled=True, workers=frozenset(), kill_at=None)
-    if mem.isolated_since is not None:
+    if mem.isolated_since is not None or mem.agent_released:
         # Killed by us (measured: torchrun killed that way can exit 0, which read as the
-        # job's completion and stopped the healthy nodes). The fault is the cut, charged
-        # to no one's crash budget: the node waits for it to heal.
+        # job's completion and stopped the healthy nodes). The fault is the cut, or the
+        # member gone from our agent's round: charged to no one's crash budget.
+        why = ("this node is cut off from the majority" if mem.isolated_since is not None
+               else "we released it from a round with a member that is gone")
         return (replace(mem, phase=Phase.BACKOFF, restart_at=snap.now),
                 [act(Kind.PUBLISH, fields={"state": "backoff", "agent_pid": None})],
-                f"the agent exited with code {snap.agent_exit} while this node is cut off from "
-                "the majority (neither a completion nor a failure)")
+                f"the agent exited with code {snap.agent_exit} because {why} (neither a "
+                "completion nor a failure)")
     if snap.agent_exit == 0:
         return (replace(mem, phase=Phase.COMPLETED),
                 [act(Kind.MARK_COMPLETED), act(Kind.PUBLISH, fields={"state": "completed",
@@ -891,6 +910,49 @@ def _dead_peers(snap: Snapshot, mem: Memory, policy: Policy):
     return mem, actions, f"peer(s) {names} lost; evicting them from the rendezvous{tail}"
 
 
+def _trained_in_round(snap: Snapshot, mem: Memory) -> bool:
+    """Whether our workers have stepped in the rendezvous' newest round (a loss there is
+    the in-place re-form's or the kill's, not a round still forming)."""
+    if snap.generation is None:
+        return True  # a script that reports no generation: the rounds are not ours to judge
+    return snap.round is None or snap.generation.round >= snap.round
+
+
+def gone_members(snap: Snapshot, mem: Memory) -> frozenset[tuple[str, int]]:
+    """The agents of the newest round that no live member's record names: their node is
+    gone (its record expired or left), condemned by the majority, or has a new agent."""
+    live = {p.agent for n, p in snap.peers.items()
+            if p.agent and p.state not in _GONE_STATES and n not in mem.condemned}
+    mine = (snap.agent_addr, snap.agent_pid)
+    return frozenset(a for a in snap.round_members if a != mine and a not in live)
+
+
+def _broken_round(snap: Snapshot, mem: Memory, policy: Policy):
+    """Our agent forms a round (rank assignment, its workers' group init and resume) with
+    a member that is gone: torchrun waits for it until the store's timeout (issue 29: a
+    node frozen between a round's close and its rank assignment stalled the job for
+    good; a joiner that left did the same). Kill our agent once the grace is over: it
+    starts again at once, no failure counted, and joins the next round without it."""
+    if (mem.phase is not Phase.RUNNING or not _agent_running(snap)
+            or _trained_in_round(snap, mem)):
+        return None
+    mine = (snap.agent_addr, snap.agent_pid)
+    gone = gone_members(snap, mem) if mine in snap.round_members else frozenset()
+    if not gone:  # (a round without our agent is not one it waits in)
+        return None if mem.round_broken_since is None else (
+            replace(mem, round_broken_since=None), [], "")
+    since = mem.round_broken_since if mem.round_broken_since is not None else snap.now
+    if snap.now - since < policy.broken_round_grace_s:
+        return replace(mem, round_broken_since=since), [], ""
+    names = ", ".join(f"{addr}:{pid}" for addr, pid in sorted(gone))
+    mem = replace(mem, round_broken_since=None, agent_released=True,
+                  membership_changed_at=snap.now)
+    return (mem, [act(Kind.KILL_AGENT), act(Kind.LEAVE_RENDEZVOUS),
+                  act(Kind.COUNT, metric="worker_restarts", label="membership")],
+            f"round {snap.round} names agent(s) {names} that are gone; restarting our agent so "
+            "that the next round forms without them")
+
+
 def _plan_shrink(snap: Snapshot, mem: Memory, deaths: list[Death]) -> tuple[Memory, list[Action], str]:
     """In-place mode: agree the next generation instead of killing our workers (a loss
     during a re-form widens it: the lost nodes accumulate, the start time stays)."""
@@ -939,6 +1001,22 @@ def _diverged(snap: Snapshot, mem: Memory, policy: Policy):
                  *actions], reason
 
 
+def _unfit(snap: Snapshot, mem: Memory, policy: Policy):
+    """Our workers found that this node cannot resume the job (``trainer.fitness``: its
+    checkpoint directory lacks the job's newest commit, or its load failed here alone).
+    The fault is this node's: it leaves the job (the others restart without it, counting
+    no crash) instead of dragging every node through its restarts."""
+    if mem.phase is not Phase.RUNNING or snap.progress_event != "unfit":
+        return None
+    why = snap.progress_reason or "see the workers' log"
+    reason = (f"this node's workers cannot resume the job: {why}; this node leaves the job "
+              "so that the others go on without it")
+    mem, actions, reason = _mark_failed(mem, reason)
+    return mem, [act(Kind.JOURNAL, event="node-unfit", fields={"step": snap.step,
+                                                               "reason": snap.progress_reason}),
+                 *actions], reason
+
+
 def _hang(snap: Snapshot, mem: Memory, policy: Policy):
     if mem.phase is not Phase.RUNNING or not snap.workers or mem.step_at is None:
         return None
@@ -976,10 +1054,12 @@ def _start(snap: Snapshot, mem: Memory, policy: Policy):
     actions = [act(Kind.START_AGENT)]
     if not mem.ready_sent:
         actions.append(act(Kind.NOTIFY, what="ready"))
-    mem = replace(mem, phase=Phase.RUNNING, exit_handled=False,
-                  workers=frozenset(), step_at=None, ready_sent=True, reformed_without=frozenset())
+    mem = replace(mem, phase=Phase.RUNNING, exit_handled=False, agent_released=False,
+                  round_broken_since=None, workers=frozenset(), step_at=None, ready_sent=True,
+                  reformed_without=frozenset())
     return mem, actions, f"{verb} the torchrun agent"
 
 
 _RULES: tuple[Rule, ...] = (_hard_stop, _drain, _agent_exited, _job_completed, _reopen, _diverged,
-                            _isolated, _dead_peers, _hang, _worker_crash_loop, _start)
+                            _unfit, _isolated, _dead_peers, _broken_round, _hang, _worker_crash_loop,
+                            _start)

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import structlog
 import torch
@@ -187,13 +188,13 @@ def step_boundary(stop: bool, loss_sum: float, device: torch.device) -> tuple[bo
 def broadcast_int(value: int, device: torch.device, src: int = 0) -> int:
     """``value`` as held by rank ``src``, on every rank."""
     buf = torch.tensor([value], dtype=torch.int64, device=device)
-    _collective("broadcast", lambda **kw: dist.broadcast(buf, src=src, **kw))
+    collective("broadcast", lambda **kw: dist.broadcast(buf, src=src, **kw))
     return int(buf.item())
 
 
 def all_reduce(buf: torch.Tensor) -> None:
     """Sum ``buf`` over ranks in place; a peer failure becomes CollectiveError."""
-    _collective("all_reduce", lambda **kw: dist.all_reduce(buf, **kw))
+    collective("all_reduce", lambda **kw: dist.all_reduce(buf, **kw))
 
 
 def barrier() -> None:
@@ -206,11 +207,13 @@ def barrier() -> None:
     """
     device = torch.device("cuda") if is_nccl(dist.get_backend()) else torch.device("cpu")
     token = torch.zeros(1, device=device)
-    _collective("barrier", lambda **kw: dist.all_reduce(token, **kw))
+    collective("barrier", lambda **kw: dist.all_reduce(token, **kw))
 
 
-def _collective(what: str, call) -> None:
-    """Run one collective (through the guard when one is installed); translate its errors."""
+def collective(what: str, call: Callable[..., Any]) -> None:
+    """Run one collective (through the guard when one is installed); translate its errors.
+
+    ``call(async_op=...)`` starts it (the guard waits on the work it returns)."""
     with _translated(what):
         if _GUARD is None:
             call()

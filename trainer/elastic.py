@@ -48,8 +48,10 @@ from trainer.exitcodes import (
     DIVERGED_EXIT_CODE,
     FAILURE_EXIT_CODE,
     STOP_EXIT_CODE,
+    UNFIT_EXIT_CODE,
     exit_worker,
 )
+from trainer.fitness import NONE, Fitness, NodeUnfit, PeerUnfit
 from trainer.logs import configure_logging
 from trainer.lr import LRScale, Schedule, start_scale
 from trainer.progress import ProgressReporter
@@ -203,17 +205,23 @@ class ElasticState:
                                              generation_seq=self.ctx.generation_seq)
 
     def resume(self) -> None:
-        """All ranks load the step rank 0 chose, then set the LR rescale for this world."""
+        """All ranks load the step rank 0 chose, then set the LR rescale for this world.
+
+        First every node must see the job's newest checkpoint (``trainer.fitness``: one
+        that cannot is charged with it, ``NodeUnfit``; the others exit ``PeerUnfit``)."""
+        fitness = Fitness(self.ctx.rank - self.ctx.local_rank, self.ctx.rank, self.device,
+                          self.ctx.checkpoint_dir, self._newest_seen, tdist.collective)
+        newest = fitness.agree_newest()
         # Rank 0 picks the newest checkpoint that verifies (falling back past damaged
         # ones) and broadcasts its step, so every rank loads the same one.
         found = None
-        if self.checkpoints is not None and self.ctx.is_rank0:
+        if self.checkpoints is not None and self.ctx.is_rank0 and newest != NONE:
             found = self.checkpoints.load_latest()
         step = tdist.broadcast_int(found.step if found else -1, self.device)
         saved_scale: LRScale | None = None
         saved_world = None
         if step >= 0:
-            found = found or self.checkpoints.load(step)
+            found = self._load_agreed(step, found, fitness)
             saved_scale = self.state.load_checkpoint(found.state, step)
             saved_world = found.state["world"]["world_size"]
             self.saved_step = step
@@ -224,6 +232,25 @@ class ElasticState:
             self.progress.report("resumed", step, lr=lrs[0], lrs=lrs, from_world_size=saved_world,
                                  epoch=self.epoch, global_batch=self.state.global_batch,
                                  **self._position())
+
+    def _newest_seen(self) -> int:
+        """The newest step this rank's checkpoint directory shows committed (NONE: none)."""
+        step = self.checkpoints.latest_step() if self.checkpoints is not None else None
+        return NONE if step is None else step
+
+    def _load_agreed(self, step: int, found: Any, fitness: Fitness) -> Any:
+        """Checkpoint ``step`` (rank 0 chose it and holds it as ``found``), once every
+        rank's load is judged (a collective: every rank comes here)."""
+        from checkpointing.errors import CheckpointError  # only when checkpoints are used
+
+        error = None
+        if found is None:
+            try:
+                found = self.checkpoints.load(step)
+            except (CheckpointError, OSError) as exc:  # missing here, or unreadable here
+                error = exc
+        fitness.judge_loads(step, error)
+        return found
 
     def rescale(self, saved: LRScale | None) -> None:
         """The LR factor for this world, from the one in force before (None: a fresh start)."""
@@ -426,6 +453,17 @@ class ElasticState:
         """
         if isinstance(exc, StaleGenerationError):
             return self.on_stale(exc)
+        if isinstance(exc, NodeUnfit | PeerUnfit):
+            # Nothing to commit: no step was taken. Which node is at fault decides whose
+            # daemon leaves the job and whose only restarts (trainer.fitness).
+            unfit = isinstance(exc, NodeUnfit)
+            log.error("this node cannot resume the job; leaving it" if unfit else
+                      "a peer node cannot resume the job; exiting for a restart without it",
+                      error=str(exc))
+            # (Not self.report: before the resume there is no LR scale to report.)
+            self.progress.report("unfit" if unfit else "peer-unfit", self.state.step,
+                                 reason=str(exc)[:500])
+            return UNFIT_EXIT_CODE if unfit else FAILURE_EXIT_CODE
         if isinstance(exc, TrainingDiverged):
             # Nothing is committed: the weights are those of the diverged steps.
             log.error("training diverged; exiting without committing", step=self.state.step,

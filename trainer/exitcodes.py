@@ -10,6 +10,9 @@
   ``nonfinite_loss_limit`` times in a row; nothing of the diverged state is committed
   and the daemon marks the node failed instead of restarting (a restart from the last
   checkpoint would diverge again).
+* ``UNFIT_EXIT_CODE`` (78, EX_CONFIG): this node's workers cannot resume the job (its
+  checkpoint directory lacks the job's newest commit: ``trainer.fitness``); the daemon
+  leaves the job instead of restarting (the other nodes go on without it).
 * ``ORPHAN_EXIT_CODE`` (70): the orphan watchdog ended a worker whose torchrun agent
   or daemon died.
 """
@@ -24,6 +27,7 @@ STOP_EXIT_CODE = 75
 FAILURE_EXIT_CODE = 1
 ORPHAN_EXIT_CODE = 70
 DIVERGED_EXIT_CODE = 65
+UNFIT_EXIT_CODE = 78
 
 
 def exit_worker(code: int) -> NoReturn:

@@ -45,6 +45,7 @@ from trainer.context import ElasticContext
 from trainer.elastic import ElasticState, checkpoint_due
 from trainer.errors import ConfigError, TrainingDiverged
 from trainer.exitcodes import FAILURE_EXIT_CODE, STOP_EXIT_CODE
+from trainer.fitness import NodeUnfit, PeerUnfit
 from trainer.lr import Schedule
 from trainer.recover import InPlace
 from trainer.sampler import ElasticSampler
@@ -175,7 +176,7 @@ class ElasticTrainer:
             code = self._train_recovering()
         except tdist.CollectiveError as exc:
             code = self._on_failure(exc)
-        except (StaleGenerationError, TrainingDiverged) as exc:
+        except (StaleGenerationError, TrainingDiverged, NodeUnfit, PeerUnfit) as exc:
             code = self.es.fail(exc)
         finally:
             if self._close() is not None and code != FAILURE_EXIT_CODE:

@@ -28,7 +28,7 @@ log = structlog.get_logger(__name__)
 FILE_INTERVAL_S = 0.25
 
 EVENTS = ("step", "resumed", "checkpoint", "stopped", "completed", "reformed", "reform-failed",
-          "diverged")
+          "diverged", "unfit", "peer-unfit")
 
 
 def write_atomic(path: str, text: str) -> None:

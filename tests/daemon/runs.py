@@ -16,7 +16,21 @@ import torch
 
 from checkpointing import CheckpointManager
 from tests.daemon_nodes import DaemonNode, stepping_at, wait_for
-from tests.oracle import max_rel_diff, norm_rel_diff
+from tests.oracle import Run, max_rel_diff, norm_rel_diff, replay, step_history
+
+# The job the whole-job scenarios train (float64, checked against ``RUN``'s replay).
+RUN = Run(samples=300, batch=4, lr=0.05, seed=7, data_seed=11, momentum=0.9)
+MLP = str(Path(__file__).resolve().parents[2] / "trainer" / "examples" / "mlp.py")
+
+
+def entry(final: int, script: str = MLP) -> list[str]:
+    """The workers' command line: ``RUN`` to step ``final``."""
+    return [script, *RUN.args(), f"--max-steps={final}", "--step-sleep=0.03", "--log-every=1",
+            "--lr-rule=linear", "--lr-warmup-steps=2",
+            # The LR is for the first world (3): with the daemon's default base (1) it
+            # would be 3x larger and the run chaotic (rounding differences then grow
+            # past the oracle's 1e-9 however exact the recovery is).
+            "--lr-base-world-size=3"]
 
 
 def by_rank(nodes: list[DaemonNode], rank0: bool) -> DaemonNode:
@@ -94,3 +108,10 @@ def final_matches_replay(ckpt: Path, history: Mapping[int, Any],
     print(f"oracle: relative difference {rel:.3e} (worst element {worst:.3e}) over {final} steps")
     assert rel < 1e-9
     return final
+
+
+def matches_the_replay(node: DaemonNode, ckpt: Path, final: int) -> dict[int, tuple[int, float]]:
+    """``node``'s per-step history, whose replay of ``RUN`` the newest checkpoint matches."""
+    history = step_history(progress_records(node))
+    assert final_matches_replay(ckpt, history, lambda: replay(RUN, history)) == final
+    return history

@@ -18,33 +18,24 @@ import pytest
 from elasticd.rendezvous.keys import JobKeys
 from tests.conftest import connect
 from tests.daemon.runs import (
+    MLP,
     by_rank,
     completed,
-    final_matches_replay,
+    entry,
     lose_one,
+    matches_the_replay,
     progress_records,
     resumed_where_it_stopped,
     world_of_three,
 )
 from tests.daemon_nodes import DaemonNode, agent_events, log_lines, stepping_at, stop_nodes, wait_for
-from tests.oracle import Run, replay, step_history
 from trainer import reform
 
 pytestmark = pytest.mark.inplace
 
-RUN = Run(samples=300, batch=4, lr=0.05, seed=7, data_seed=11, momentum=0.9)
 REPO = Path(__file__).resolve().parents[2]
 FAULTY = str(REPO / "tests" / "workers" / "reform_fault.py")
-MLP = str(REPO / "trainer" / "examples" / "mlp.py")
-
-
-def _entry(final: int, script: str = MLP) -> list[str]:
-    return [script, *RUN.args(), f"--max-steps={final}", "--step-sleep=0.03", "--log-every=1",
-            "--lr-rule=linear", "--lr-warmup-steps=2",
-            # The LR is for the first world (3): with the daemon's default base (1) it
-            # would be 3x larger and the run chaotic (rounding differences then grow
-            # past the oracle's 1e-9 however exact the recovery is).
-            "--lr-base-world-size=3"]
+_entry = entry
 
 
 @pytest.fixture
@@ -75,10 +66,7 @@ def _lose_one(add, nodes, final: int, rank0: bool = False, script: str = MLP,
     return lose_one(_three(add, final, script, min_nodes), nodes, rank0, sig, within_s)
 
 
-def _matches_the_replay(node: DaemonNode, ckpt: Path, final: int) -> dict[int, tuple[int, float]]:
-    history = step_history(progress_records(node))
-    assert final_matches_replay(ckpt, history, lambda: replay(RUN, history)) == final
-    return history
+_matches_the_replay = matches_the_replay
 
 
 def _in_place(survivors: list[DaemonNode], lost: str, since: float,

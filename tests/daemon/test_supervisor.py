@@ -174,6 +174,7 @@ def test_a_crash_loop_at_the_same_step_ends_in_failed():
 @pytest.mark.parametrize("now, changed, event, cause", [
     (100.0, 95.0, "step", "membership"),       # a peer left or joined 5 s ago
     (100.0, 50.0, "stopped", "membership"),    # coordinated stop: a drain or scale change
+    (100.0, 50.0, "peer-unfit", "membership"),  # a peer node could not resume: its fault
     (100.0, 50.0, "step", "crash"),
     (100.0, float("-inf"), None, "crash"),
 ])
@@ -810,6 +811,32 @@ def test_a_diverged_event_while_draining_is_left_to_the_drain():
     assert d(live(step=10, progress_event="diverged"), draining).phase is Phase.DRAINING
 
 
+# -- a node that cannot resume leaves; its peers count no crash (trainer.fitness) ----------
+
+def test_a_node_whose_workers_cannot_resume_leaves_the_job_at_once_saying_why():
+    why = "its checkpoint directory /mnt/ckpt shows no checkpoint but the job's newest is step 217"
+    out = d(live(step=0, progress_event="unfit", progress_reason=why))
+    assert out.phase is Phase.FAILED
+    assert why in out.reason and "leaves the job" in out.reason
+    journal = [a for a in out.actions if a.kind is Kind.JOURNAL]
+    assert [a["event"] for a in journal] == ["node-unfit", "node-failed"]
+    assert journal[0]["fields"]["reason"] == why
+
+
+def test_workers_restarted_because_a_peer_cannot_resume_spend_no_crash_budget():
+    mem = RUNNING
+    for i in range(POLICY.crash_loop_failures + 2):  # more restarts than the budget
+        out = d(live(now=T + 60 * i, workers=frozenset({100 + i}), progress_event="peer-unfit"), mem)
+        mem = out.memory
+        assert out.phase is Phase.RUNNING and mem.failures == (), out.reason
+        assert "after a membership" in out.reason
+
+
+def test_an_unfit_event_while_draining_is_left_to_the_drain():
+    draining = replace(RUNNING, phase=Phase.DRAINING, drain_reason="a drain request")
+    assert d(live(step=10, progress_event="unfit"), draining).phase is Phase.DRAINING
+
+
 # -- one journal writer per fault (issue 14): every survivor decides, one writes ------------
 
 def _peer(node: str, first_rank: int | None, state: str = "running") -> PeerView:
@@ -877,3 +904,76 @@ def test_a_membership_restart_is_journaled_by_the_rank_0_node_and_a_crash_by_its
         assert _journaled(out) == (["workers-restarted"] if rank0 else [])
     crash = d(live(workers=frozenset({21}), rank0_here=False), replace(RUNNING, journaled_at=T))
     assert _journaled(crash) == ["workers-restarted"]
+
+
+# -- a round that names a gone agent releases ours (issue 29 finding 1) -------------------
+
+MINE, B_AGENT, D_AGENT = ("127.0.0.1", AGENT), ("127.0.0.1", 77), ("127.0.0.1", 99)
+FORMING = replace(RUNNING, workers=frozenset(), step_at=None)
+
+
+def _forming(now: float = T, members=(MINE, B_AGENT, D_AGENT), peers=None, **kw) -> Snapshot:
+    """Our agent in round 5 (our workers last trained in round 4), ``d`` gone."""
+    kw = {"round": 5, "generation": GenerationId(4, 0, "ep"), **kw}
+    return live(now=now, workers=frozenset(), round_members=frozenset(members),
+                agent_addr="127.0.0.1", node_id="a", peers={"b": B} if peers is None else peers,
+                **kw)
+
+
+def test_a_round_naming_a_gone_agent_releases_ours_after_the_grace_and_no_failure_is_counted():
+    first = d(_forming())
+    assert first.actions == () and first.memory.round_broken_since == T
+    assert d(_forming(now=T + 1.0), first.memory).actions == ()
+    out = d(_forming(now=T + POLICY.broken_round_grace_s), first.memory)
+    assert out.kinds() == [Kind.KILL_AGENT, Kind.LEAVE_RENDEZVOUS, Kind.COUNT]
+    assert "round 5 names agent(s) 127.0.0.1:99 that are gone" in out.reason
+    exited = d(_forming(now=T + 3, agent_exit=-9), out.memory)
+    assert exited.phase is Phase.BACKOFF and exited.memory.failures == ()
+    assert exited.memory.restart_at == T + 3 and "neither a completion nor a failure" in exited.reason
+    again = d(snap(now=T + 3.1), exited.memory)
+    assert Kind.START_AGENT in again.kinds() and not again.memory.agent_released
+
+
+def test_a_round_whose_members_all_live_or_come_back_is_left_alone():
+    d_peer = PeerView("d", "running", D_AGENT, 9, "127.0.0.1:9")
+    assert d(_forming(peers={"b": B, "d": d_peer})).actions == ()
+    first = d(_forming())
+    back = d(_forming(now=T + 1, peers={"b": B, "d": d_peer}), first.memory)
+    assert back.memory.round_broken_since is None
+    assert d(_forming(now=T + 3, peers={"b": B, "d": d_peer}), back.memory).actions == ()
+
+
+@pytest.mark.parametrize("state", ["failed", "leaving", "completed"])
+def test_a_member_whose_node_left_or_failed_is_gone(state):
+    d_peer = PeerView("d", state, D_AGENT, 9, "127.0.0.1:9")
+    first = d(_forming(peers={"b": B, "d": d_peer}))
+    out = d(_forming(now=T + 2, peers={"b": B, "d": d_peer}), first.memory)
+    assert Kind.KILL_AGENT in out.kinds()
+
+
+def test_a_member_the_majority_condemned_is_gone_though_its_record_lives():
+    d_peer = PeerView("d", "running", D_AGENT, 9, "127.0.0.1:9")
+    mem = replace(FORMING, condemned=frozenset({"d"}))
+    first = d(_forming(peers={"b": B, "d": d_peer}), mem)
+    assert Kind.KILL_AGENT in d(_forming(now=T + 2, peers={"b": B, "d": d_peer}), first.memory).kinds()
+
+
+def test_workers_that_trained_in_the_round_leave_a_loss_to_the_in_place_path():
+    trained = _forming(generation=GenerationId(5, 1, "ep"))
+    first = d(trained)
+    assert first.memory.round_broken_since is None
+    assert d(replace(trained, now=T + 3), first.memory).actions == ()
+
+
+def test_workers_that_report_no_generation_or_no_round_are_not_judged():
+    for s in (_forming(generation=None), _forming(round=None)):
+        first = d(s)
+        assert d(replace(s, now=T + 3), first.memory).actions == ()
+
+
+def test_a_round_our_agent_is_not_in_is_not_one_it_waits_in():
+    """Released, our new agent joins the next round; the pointer still names the broken
+    one until that round closes: no second release (measured: a release every 2.5 s)."""
+    s = _forming(members=(("127.0.0.1", 1), B_AGENT, D_AGENT))
+    first = d(s)
+    assert d(replace(s, now=T + 3), first.memory).actions == ()

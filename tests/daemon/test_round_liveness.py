@@ -1,0 +1,105 @@
+"""A member frozen between a round's close and its rank assignment no longer stalls the
+job (issue 29 finding 1): every wait ends once what it waits on is gone.
+
+Before: at a drain's restart the next round closed with a node that froze (SIGSTOP)
+right after it joined; the survivors' agents waited for its rank-assignment keys until
+torchrun's store timeout, past its eviction (the goodput run, seed 5: no step for 192 s,
+then for good). Now each daemon sees that its agent's round names an agent no live record
+has (the frozen node's lease expired) and restarts its agent (no failure counted), and
+the next round forms without it.
+
+Real etcd, four real daemons, real torchrun, gloo, float64 (replay oracle).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from elasticd.rendezvous.keys import JobKeys
+from elasticd.rendezvous.rounds import decode_pointer
+from tests.conftest import connect
+from tests.daemon.runs import by_rank, completed, entry, matches_the_replay, progress_records
+from tests.daemon_nodes import DaemonNode, log_lines, stepping_at, stop_nodes, wait_for
+
+LEASE_TTL_S = 5        # write_config's default: the frozen node's record expires after it
+RESTART_BOUND_S = 15   # a released agent's restart and the next round's first step, here
+
+
+@pytest.fixture
+def nodes():
+    started: list[DaemonNode] = []
+    yield started
+    stop_nodes(started)
+
+
+def _owner(nodes: list[DaemonNode], agent_key: str) -> DaemonNode | None:
+    """The node whose process tree holds the agent named by a join key (addr_pid_local)."""
+    pid = int(agent_key.rsplit("/", 1)[-1].split("_")[-2])
+    return next((n for n in nodes if pid in {p.pid for p in n.tree()}), None)
+
+
+def _freeze_a_follower_of_the_next_round(client, keys: JobKeys, nodes: list[DaemonNode],
+                                         round_: int, timeout_s: float = 60) -> DaemonNode:
+    """Watch round ``round_``'s joins; the moment a second agent joins, SIGSTOP its whole
+    node (daemon, agent, workers): it is a member of that round, and not its leader."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        joins, _ = client.list_prefix(keys.rdzv_joins(round_))
+        if len(joins) >= 2:
+            follower = max(joins, key=lambda kv: kv.create_revision)
+            node = _owner(nodes, follower.key)
+            if node is not None:
+                node.signal_tree(signal.SIGSTOP)
+                return node
+        time.sleep(0.005)
+    raise AssertionError(f"round {round_} never had two joins")
+
+
+def test_a_node_frozen_in_a_forming_round_is_left_behind_within_the_bound(
+        nodes, etcd_server, tmp_path, job_id):
+    final = 900
+    kw = {"entrypoint": entry(final), "every_steps": 10, "min_nodes": 2, "max_nodes": 4,
+          "lease_ttl_s": LEASE_TTL_S}
+    for name in "abcd":
+        nodes.append(DaemonNode(name, etcd_server.endpoint, job_id, tmp_path, kw).start())
+    wait_for(lambda: stepping_at(nodes, 4, 0) and all(n.progress()["step"] >= 15 for n in nodes),
+             150, "a world of 4 at step 15", nodes)
+    keys = JobKeys(job_id)
+    client = connect(etcd_server)
+    try:
+        pointer = client.get(keys.rdzv_round)
+        round_ = decode_pointer(pointer.value, pointer.key)[0]
+        leaver = nodes[0]
+        leaver.proc.send_signal(signal.SIGTERM)       # a drain: every agent re-rendezvous
+        frozen = _freeze_a_follower_of_the_next_round(client, keys, nodes[1:], round_ + 1)
+    finally:
+        client.close()
+    froze_at = time.time()
+    survivors = [n for n in nodes[1:] if n is not frozen]
+    try:
+        bound = LEASE_TTL_S + RESTART_BOUND_S
+
+        def steps_of_two() -> list[float]:
+            return [r["time"] for n in survivors for r in progress_records(n)
+                    if r["event"] == "step" and r["world_size"] == 2 and r["time"] > froze_at]
+
+        wait_for(steps_of_two, bound + 30, "the survivors to step without the frozen node", nodes)
+        pause = min(steps_of_two()) - froze_at
+        print(f"liveness: the survivors stepped {pause:.1f} s after the freeze (bound {bound} s)")
+        assert pause <= bound + 10
+    finally:
+        frozen.signal_tree(signal.SIGKILL)
+        frozen.signal_tree(signal.SIGCONT)
+    assert leaver.proc.wait(timeout=60) == 0, leaver.log_tail()
+    completed(survivors, timeout_s=240)
+    for node in survivors:
+        sentences = [e["event"] for e in log_lines(node)]
+        assert not [s for s in sentences if "after a crash" in s or "failure " in s], sentences
+    released = [s for n in survivors for s in (e["event"] for e in log_lines(n))
+                if "that are gone; restarting our agent" in s]
+    print(f"releases: {released}")
+    matches_the_replay(by_rank(survivors, True), tmp_path / "ckpt", final)
+
