@@ -72,6 +72,7 @@ from benchmarks.mttr import (  # noqa: E402
     wait_quiet,
 )
 from elasticd import proctree  # noqa: E402
+from elasticd.chaos import liveness  # noqa: E402
 from elasticd.embedded_etcd import free_port  # noqa: E402
 from elasticd.local_cluster import (  # noqa: E402
     MLP,
@@ -302,6 +303,43 @@ def event_outcome(records: list[dict[str, Any]], t_event: float,
             "path": {"reformed": "in-place", "resumed": "restart"}.get(path or "", "unseen")}
 
 
+LIVENESS_BOUND_S = LEASE_TTL_S + liveness.RESTART_BOUND_S   # the invariant's bound
+PAUSE_TARGET_S = LEASE_TTL_S + 5.0   # issue 29: the longest pause of a trace, at most
+
+
+def out_intervals(sent: list[dict[str, Any]], nodes: int = NODES) -> dict[str, list[tuple[float, float]]]:
+    """When each node was out of the job (``liveness``): a fresh node before its start; a
+    node from its kill, stop (frozen) or drain on, for good (a node never comes back under
+    its name: its replacement is a fresh one). ``sent``: the actions as sent, t from t0."""
+    out: dict[str, list[tuple[float, float]]] = {f"n{i}": [] for i in range(nodes)}
+    for action in sorted(sent, key=lambda a: a["t"]):
+        name, t = action["node"], action["t"]
+        if action["action"] == "start":
+            out[name] = [(float("-inf"), t)]
+        elif not any(end == float("inf") for _, end in out.setdefault(name, [])):
+            out[name].append((t, float("inf")))
+    return out
+
+
+def liveness_of(records: list[dict[str, Any]], sent: list[dict[str, Any]], t0: float,
+                t1: float) -> dict[str, Any]:
+    """The liveness invariant over the window (``elasticd.chaos.liveness``), the longest
+    pause and the actions sent in the 30 s before it (the fault sequence behind it)."""
+    steps = [r["time"] - t0 for r in records if r.get("event") in STEP_EVENTS]
+    out = out_intervals(sent)
+    found = liveness.pauses(steps, 0.0, t1 - t0)
+    worst = liveness.longest(found)
+    owed = liveness.violations(steps, out, out, 0.0, t1 - t0, MIN_NODES, LIVENESS_BOUND_S)
+    behind = [] if worst is None else [
+        f"{a['action']} {a['node']} at {a['t']:.1f}" for a in sent
+        if worst.start - 30 <= a["t"] <= worst.end]
+    return {"longest_pause_s": None if worst is None else worst.length_s,
+            "longest_pause_at_s": None if worst is None else round(worst.start, 3),
+            "longest_pause_after": behind,
+            "liveness_violations": [{"at_s": v.start, "length_s": v.length_s, "nodes": list(v.nodes)}
+                                    for v in owed]}
+
+
 def pauses(records: list[dict[str, Any]], t0: float, t1: float, min_gap_s: float = 1.0) -> float:
     """Seconds of ``[t0, t1]`` inside gaps of more than ``min_gap_s`` between step records
     (the job did not train; the progress file is rewritten at least every 0.25 s while it
@@ -489,7 +527,8 @@ def measure_trace(job: Job, trace: list[Fault], t0: float, t_end: float, silent_
             "paused_s": round(pauses(records, t0, t_end), 3),
             "worker_restarts": clusters_of([e for e in resumed if t0 < e[1] <= t_end]),
             "inplace_reforms": clusters_of([e for e in reformed if t0 < e[1] <= t_end]),
-            "rate_in_window": round(useful / window, 3), "timeline": records}
+            "rate_in_window": round(useful / window, 3),
+            **liveness_of(records, sent, t0, t_end), "timeline": records}
 
 
 # -- report --------------------------------------------------------------------------------
@@ -531,6 +570,10 @@ def summarize(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "window_s": window, "survived": run["outcome"] == "survived", "by_kind": by_kind,
             "paused_s": run["paused_s"], "worker_restarts": run["worker_restarts"],
             "inplace_reforms": run["inplace_reforms"],
+            "longest_pause_s": run.get("longest_pause_s"),
+            "longest_pause_at_s": run.get("longest_pause_at_s"),
+            "longest_pause_after": run.get("longest_pause_after", []),
+            "liveness_violations": run.get("liveness_violations"),
             "steps_lost_total": sum(e.get("steps_lost", 0) for e in evs if e.get("recovered"))}
     return out
 
@@ -587,6 +630,20 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"- {SYSTEMS[system]}: {_pct(value)} of the samples (vs the faster fault-free "
                          f"rate {_pct(g.get('sample_goodput_vs_best'))}; in steps {_pct(g['goodput'])}): "
                          f"higher than 82 %: {verdict}")
+    lines += ["", f"## Liveness: the longest pause (target <= lease TTL + 5 s = {PAUSE_TARGET_S:.0f} s)",
+              "", f"The invariant: whenever at least {MIN_NODES} nodes had been in the job (live, "
+              f"unfrozen) for over {LIVENESS_BOUND_S:.0f} s (lease TTL + restart bound), the job "
+              "stepped (`elasticd/chaos/liveness.py`).", ""]
+    for system, g in summary.items():
+        worst, owed = g.get("longest_pause_s"), g.get("liveness_violations")
+        if worst is None and owed is None:
+            continue
+        verdict = "met" if worst is not None and worst <= PAUSE_TARGET_S else "**missed**"
+        held = "held" if not owed else f"**violated** {len(owed)} time(s), first {owed[0]}"
+        lines.append(f"- {SYSTEMS[system]}: longest pause {_f(worst, '{:.1f}')} s at "
+                     f"+{_f(g.get('longest_pause_at_s'), '{:.1f}')} s (after: "
+                     f"{'; '.join(g.get('longest_pause_after') or []) or 'no action'}): {verdict}; "
+                     f"invariant {held}")
     lines += ["", "## The trace and each fault", "",
               "Times are seconds after the first step of the world of 4. recovery: from the signal to "
               "the first step in a world of another size; pause: from the old world's last step record "

@@ -169,3 +169,27 @@ def test_event_outcome_in_place_and_restart() -> None:
 def test_bursts_of_log_lines_count_once() -> None:
     events = [("n0", 10.0, 5), ("n1", 10.4, 5), ("n2", 11.0, 5), ("n0", 40.0, 9)]
     assert g.clusters_of(events) == 2
+
+
+def test_out_intervals_follow_the_actions_sent() -> None:
+    sent = [{"t": 10.0, "action": "stop", "node": "n1"}, {"t": 40.0, "action": "kill", "node": "n1"},
+            {"t": 60.0, "action": "start", "node": "n4"}, {"t": 70.0, "action": "term", "node": "n2"}]
+    out = g.out_intervals(sent)
+    assert out["n0"] == [] and out["n3"] == []
+    assert out["n1"] == [(10.0, float("inf"))]      # frozen, then killed: out from the freeze
+    assert out["n4"] == [(float("-inf"), 60.0)] and out["n2"] == [(70.0, float("inf"))]
+
+
+def test_liveness_of_a_stalled_trace_names_the_pause_and_the_actions_behind_it() -> None:
+    t0 = 1000.0
+    steps = [{"event": "step", "time": t0 + i * 0.1, "step": i} for i in range(1, 300)]
+    steps += [{"event": "step", "time": t0 + 100 + i * 0.1, "step": 300 + i} for i in range(100)]
+    sent = [{"t": 25.0, "action": "term", "node": "n3"}, {"t": 26.0, "action": "stop", "node": "n0"}]
+    got = g.liveness_of(steps, sent, t0, t0 + 110)
+    assert got["longest_pause_s"] == pytest.approx(70.1, abs=0.01)
+    assert got["longest_pause_after"] == ["term n3 at 25.0", "stop n0 at 26.0"]
+    (v,) = got["liveness_violations"]          # n1 and n2 stayed: owed from 29.9 + 20 s
+    assert v["nodes"] == ["n1", "n2"] and v["at_s"] == pytest.approx(49.9, abs=0.01)
+    healthy = g.liveness_of(steps[:299] + [{"event": "step", "time": t0 + 38, "step": 300}], sent,
+                            t0, t0 + 38)
+    assert healthy["liveness_violations"] == [] and healthy["longest_pause_s"] < 10

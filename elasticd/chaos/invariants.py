@@ -30,6 +30,10 @@ so each can also be fed a tampered history to show it fails (tests/chaos/test_bi
                         collective from messages its peers sent before they re-formed
                         without it) are reported, not failed: the fence refuses their
                         commits and the daemon kills those workers;
+* ``liveness-bounded``  whenever at least N-1 nodes (the harness' ``min_nodes``) had been
+                        in the job, not hit by a fault, for longer than the lease TTL plus
+                        the restart bound, the job stepped (``elasticd.chaos.liveness``);
+                        the longest pause is reported with the faults before it;
 * ``no-process-left``   nothing the run started, process or network namespace, is alive
                         once its cluster stopped.
 
@@ -47,8 +51,10 @@ from checkpointing import CheckpointManager, layout
 from checkpointing.errors import CorruptCheckpointError
 from checkpointing.reader import load_verified
 from checkpointing.storage import LocalStorage
+from elasticd.chaos import liveness
 from elasticd.chaos.faults import committed
 from elasticd.chaos.oracle import lineage, max_rel_diff, norm_rel_diff, replay_run
+from elasticd.chaos.run import LEASE_TTL_S
 from elasticd.local_cluster import record_time
 
 if TYPE_CHECKING:
@@ -449,6 +455,36 @@ def check_etcd_outages(result: RunResult) -> Check:
                  f"failure: {', '.join(rows) or 'none logged'}")
 
 
+def check_liveness(result: RunResult, lease_ttl_s: float) -> Check:
+    """``liveness-bounded``: a node hit by a fault is out from its injection to its heal
+    (a fault of the cluster, such as etcd's, puts no node out)."""
+    steps = [r["time"] for recs in result.progress.values() for r in _steps(recs)]
+    t0 = result.t_formed if result.t_formed is not None else result.t_start
+    done = any(r["event"] == "completed" for recs in result.progress.values() for r in recs)
+    t1 = max(steps) if done and steps else result.t_end  # a finished job owes no more steps
+    out: dict[str, list[tuple[float, float]]] = {}
+    for f in result.faults:
+        if f.target and f.t_inject is not None:
+            out.setdefault(f.target, []).append((f.t_inject, f.t_heal or result.t_end))
+    bound = lease_ttl_s + liveness.RESTART_BOUND_S
+    min_nodes = max(1, result.scenario.nodes - 1)
+    nodes = set(result.exit_codes) | set(result.progress)
+    owed = liveness.violations(steps, out, nodes, t0, t1, min_nodes, bound)
+    worst = liveness.longest(liveness.pauses(steps, t0, t1))
+    before = [_label(f) for f in result.faults if worst is not None and f.t_inject is not None
+              and worst.start - 30 <= f.t_inject <= worst.end]
+    said = "no pause" if worst is None else (
+        f"longest pause {worst.length_s:.1f} s at +{worst.start - t0:.1f} s after "
+        f"{', '.join(before) or 'no fault'} (bound {bound:.0f} s)")
+    if owed:
+        v = owed[0]
+        return Check("liveness-bounded", False,
+                     f"no step for {v.length_s:.1f} s from +{v.start - t0:.1f} s while "
+                     f"{', '.join(v.nodes)} had been in the job for over {bound:.0f} s; {said}",
+                     _attribute(result, v.start))
+    return Check("liveness-bounded", True, said)
+
+
 def check_processes(result: RunResult) -> Check:
     if result.leftover:
         return Check("no-process-left", False, f"alive after the cluster stopped: {result.leftover}")
@@ -462,5 +498,6 @@ def check_all(result: RunResult) -> tuple[list[Check], list[FaultMetrics]]:
     checks = [check_faults(result), check_completed(result), check_contiguous(result, history),
               *check_oracle(result, history), check_checkpoints(result), check_corrupt_loads(result),
               check_recovery(result, metrics), check_etcd_outages(result),
-              check_stale_commit(result), check_processes(result)]
+              check_stale_commit(result), check_liveness(result, LEASE_TTL_S),
+              check_processes(result)]
     return checks, metrics

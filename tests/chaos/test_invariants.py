@@ -316,3 +316,26 @@ def test_a_preempted_node_must_drain_cleanly_within_its_deadline(tmp_path, drain
     check = inv.check_recovery(result, inv.fault_metrics(result))
     assert check.passed is passes, check
     assert passes or (check.fault == "#0 preemption-notice" and "deadline" in check.detail)
+
+
+# -- liveness ---------------------------------------------------------------------------------
+
+def _stalled(records: list[dict], after_step: int, stall_s: float) -> list[dict]:
+    """``records`` with no step for ``stall_s`` after ``after_step`` (later ones shifted)."""
+    return [r | {"time": r["time"] + stall_s} if r["step"] > after_step else r for r in records]
+
+
+def test_liveness_passes_a_recovery_within_the_bound_and_names_the_longest_pause(tmp_path):
+    records = _stalled(_records(), 30, 8.0)
+    fault = FaultRecord(1, "node-kill", "step 30", "b", 30, T0 + 3.0, T0 + 13.0, T0 + 15.0)
+    check = inv.check_liveness(_result(tmp_path, records, [fault]), lease_ttl_s=5)
+    assert check.passed, check.detail
+    assert "longest pause 8.1 s" in check.detail and "#1 node-kill" in check.detail
+
+
+def test_liveness_bites_on_a_stall_while_two_nodes_stayed_in_the_job(tmp_path):
+    records = _stalled(_records(), 30, 60.0)
+    fault = FaultRecord(1, "node-freeze", "step 30", "b", 30, T0 + 3.0, T0 + 70.0, None)
+    check = inv.check_liveness(_result(tmp_path, records, [fault]), lease_ttl_s=5)
+    assert not check.passed and check.fault == "#1 node-freeze"
+    assert "while a, c had been in the job for over 20 s" in check.detail

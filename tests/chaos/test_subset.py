@@ -23,5 +23,5 @@ def test_the_fast_subset_keeps_every_invariant(tmp_path, job_id):
     assert [c.name for c in checks] == [
         "faults-recovered", "job-completed", "steps-contiguous", "replay-oracle",
         "samples-exactly-once", "checkpoints-intact", "no-corrupt-load", "recovery-bounded",
-        "etcd-outage-bounded", "no-stale-commit", "no-process-left"]
+        "etcd-outage-bounded", "no-stale-commit", "liveness-bounded", "no-process-left"]
     assert len(metrics) == 2
