@@ -199,6 +199,10 @@ class SupervisorConfig:
     hang_timeout_s: float = 0.0
     hang_floor_s: float = 120.0
     hang_factor: float = 20.0
+    # A worker group that has not made its first step this long after it started (group
+    # init, the resume's collectives and checkpoint load) hangs in its start: killed; a
+    # crash unless a peer was unreachable then (its fault, not this node's).
+    start_timeout_s: float = 600.0
     # The workers stop as diverged after this many agreed non-finite losses in a row and
     # the node is marked failed (a restart would diverge again); 0 disables the check.
     nonfinite_loss_limit: int = 3
@@ -224,6 +228,8 @@ class SupervisorConfig:
                  "use seconds > 0 (the shortest stall that counts as a hang)")
         _require(self.hang_factor >= 2, "supervisor.hang_factor", self.hang_factor,
                  "use a number >= 2 (times the median step time)")
+        _require(self.start_timeout_s > 0, "supervisor.start_timeout_s", self.start_timeout_s,
+                 "use seconds > 0 (longer than your workers' start-up and checkpoint load)")
 
 
 @dataclass(frozen=True)

@@ -123,6 +123,8 @@ class Policy:
     hang_timeout_s: float = 0.0
     hang_floor_s: float = 120.0
     hang_factor: float = 20.0
+    # A worker group with no first step this long after it started hangs in its start.
+    start_timeout_s: float = 600.0
     # The rank-0 node journals a progress point this often (timelines of real jobs).
     progress_every_s: float = 30.0
     # [recovery]: "in-place" re-forms the survivors' group after a lost peer; "restart"
@@ -270,6 +272,7 @@ class Memory:
     workers: frozenset[int] = frozenset()
     step: int | None = None
     step_at: float | None = None           # when the current workers last advanced the step
+    workers_at: float | None = None        # when the current worker group appeared
     intervals: tuple[float, ...] = ()      # recent step intervals (hang bound)
     drain_reason: str | None = None
     drain_deadline: float | None = None
@@ -442,13 +445,16 @@ def _worker_restarts(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memor
     if not snap.workers or snap.workers == mem.workers:
         return mem, [], ""
     restarted = bool(mem.workers)
+    # A group that never stepped while a peer was unreachable failed on that peer: its
+    # start (group init, the resume's collectives) waited on it. Not this node's crash.
+    never_stepped_on_a_peer = mem.step_at is None and peers_unreachable(mem)
     # A new worker group steps from scratch: the hang timer waits for its first step.
-    mem = replace(mem, workers=snap.workers, step_at=None, step=snap.step,
+    mem = replace(mem, workers=snap.workers, step_at=None, step=snap.step, workers_at=snap.now,
                   reformed_without=frozenset())
     if not restarted:
         return mem, [], ""
-    cause = restart_cause(snap.now, mem.membership_changed_at, snap.progress_event,
-                          policy.membership_window_s)
+    cause = "membership" if never_stepped_on_a_peer else restart_cause(
+        snap.now, mem.membership_changed_at, snap.progress_event, policy.membership_window_s)
     if cause == "crash":
         mem = _recovering(_count_failure(mem, mem.failures, snap.now), "worker-crash", snap.now)
     actions = [act(Kind.COUNT, metric="worker_restarts", label=cause)]
@@ -1017,9 +1023,36 @@ def _unfit(snap: Snapshot, mem: Memory, policy: Policy):
                  *actions], reason
 
 
-def _hang(snap: Snapshot, mem: Memory, policy: Policy):
-    if mem.phase is not Phase.RUNNING or not snap.workers or mem.step_at is None:
+def peers_unreachable(mem: Memory) -> bool:
+    """Whether a peer is suspected, dead, being evicted or condemned, or this node is cut
+    off from the majority: a stall now may be that peer's, not ours."""
+    return bool(mem.dead or mem.evicting or mem.suspects or mem.suspicions or mem.condemned
+                or mem.isolated_since is not None)
+
+
+def _start_hang(snap: Snapshot, mem: Memory, policy: Policy):
+    """Workers that never made their first step within ``start_timeout_s`` of starting
+    (group init, the resume's collectives, a checkpoint load stuck on storage): before, a
+    hang there ended only at gloo's 120 s or never (NCCL), since the hang timer arms at
+    the first step. Killed; the restart is this node's crash unless a peer was
+    unreachable (``_worker_restarts``)."""
+    if mem.workers_at is None or snap.now - mem.workers_at < policy.start_timeout_s:
         return None
+    waited = snap.now - mem.workers_at
+    mem = _recovering(replace(mem, workers_at=None), "hang", snap.now)
+    reason = (f"the workers made no first step {waited:.0f} s after they started (bound "
+              f"{policy.start_timeout_s:.0f} s: group init, the resume, a checkpoint load); "
+              "killing them")
+    return mem, [act(Kind.KILL_WORKERS, pids=snap.workers),
+                 act(Kind.JOURNAL, event="start-hang", fields={"waited_s": round(waited, 1),
+                                                               "step": snap.step})], reason
+
+
+def _hang(snap: Snapshot, mem: Memory, policy: Policy):
+    if mem.phase is not Phase.RUNNING or not snap.workers:
+        return None
+    if mem.step_at is None:
+        return _start_hang(snap, mem, policy)
     if mem.dead or mem.evicting or mem.suspects or mem.kill_at is not None or mem.in_place:
         return None  # a peer loss explains the stall
     stalled = snap.now - mem.step_at
@@ -1055,8 +1088,8 @@ def _start(snap: Snapshot, mem: Memory, policy: Policy):
     if not mem.ready_sent:
         actions.append(act(Kind.NOTIFY, what="ready"))
     mem = replace(mem, phase=Phase.RUNNING, exit_handled=False, agent_released=False,
-                  round_broken_since=None, workers=frozenset(), step_at=None, ready_sent=True,
-                  reformed_without=frozenset())
+                  round_broken_since=None, workers=frozenset(), step_at=None, workers_at=None,
+                  ready_sent=True, reformed_without=frozenset())
     return mem, actions, f"{verb} the torchrun agent"
 
 

@@ -977,3 +977,31 @@ def test_a_round_our_agent_is_not_in_is_not_one_it_waits_in():
     s = _forming(members=(("127.0.0.1", 1), B_AGENT, D_AGENT))
     first = d(s)
     assert d(replace(s, now=T + 3), first.memory).actions == ()
+
+
+# -- a start that never reaches its first step (issue 29 finding 9) ----------------------
+
+def test_workers_without_a_first_step_past_the_start_bound_are_killed_as_a_crash():
+    started = d(live(workers=frozenset({21})), replace(RUNNING, membership_changed_at=T - 3))
+    assert started.memory.workers_at == T and started.memory.step_at is None
+    bound = POLICY.start_timeout_s
+    assert d(live(now=T + bound - 1, workers=frozenset({21})), started.memory).actions == ()
+    out = d(live(now=T + bound, workers=frozenset({21})), started.memory)
+    assert out.kinds() == [Kind.KILL_WORKERS, Kind.JOURNAL]
+    assert out.actions[1]["event"] == "start-hang" and "no first step" in out.reason
+    restarted = d(live(now=T + bound + 1, workers=frozenset({22})), out.memory)
+    assert restarted.memory.failures == (T + bound + 1,)       # this node's own crash
+
+
+def test_a_group_that_never_stepped_while_a_peer_was_unreachable_is_no_crash():
+    started = d(live(workers=frozenset({21})), replace(RUNNING, membership_changed_at=T - 3))
+    suspecting = replace(started.memory, suspicions={"b": ("silent", T + 1)})
+    out = d(live(now=T + 200, workers=frozenset({22})), suspecting)
+    assert out.memory.failures == () and "after a membership" in out.reason
+
+
+def test_a_group_that_stepped_is_judged_by_the_hang_bound_not_the_start_bound():
+    started = d(live(workers=frozenset({21})), replace(RUNNING, membership_changed_at=T - 3))
+    stepped = d(live(now=T + 1, workers=frozenset({21}), step=5), started.memory)
+    later = d(live(now=T + POLICY.start_timeout_s + 1, workers=frozenset({21}), step=6), stepped.memory)
+    assert Kind.KILL_WORKERS not in later.kinds()
