@@ -456,19 +456,21 @@ def check_etcd_outages(result: RunResult) -> Check:
 
 
 def check_liveness(result: RunResult, lease_ttl_s: float) -> Check:
-    """``liveness-bounded``: a node hit by a fault is out from its injection to its heal
-    (a fault of the cluster, such as etcd's, puts no node out)."""
+    """``liveness-bounded``: a node hit by a fault is out from its injection to its heal;
+    an etcd fault puts every node out meanwhile (none can reach the rendezvous: a restart
+    needed then waits for etcd); other faults of the cluster put no node out."""
     steps = [r["time"] for recs in result.progress.values() for r in _steps(recs)]
     t0 = result.t_formed if result.t_formed is not None else result.t_start
     done = any(r["event"] == "completed" for recs in result.progress.values() for r in recs)
     t1 = max(steps) if done and steps else result.t_end  # a finished job owes no more steps
+    nodes = set(result.exit_codes) | set(result.progress)
     out: dict[str, list[tuple[float, float]]] = {}
     for f in result.faults:
-        if f.target and f.t_inject is not None:
-            out.setdefault(f.target, []).append((f.t_inject, f.t_heal or result.t_end))
+        hit = [f.target] if f.target else sorted(nodes) if f.kind in ETCD_FAULTS else []
+        for node in hit if f.t_inject is not None else []:
+            out.setdefault(node, []).append((f.t_inject, f.t_heal or result.t_end))
     bound = lease_ttl_s + liveness.RESTART_BOUND_S
     min_nodes = max(1, result.scenario.nodes - 1)
-    nodes = set(result.exit_codes) | set(result.progress)
     owed = liveness.violations(steps, out, nodes, t0, t1, min_nodes, bound)
     worst = liveness.longest(liveness.pauses(steps, t0, t1))
     before = [_label(f) for f in result.faults if worst is not None and f.t_inject is not None

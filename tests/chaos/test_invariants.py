@@ -339,3 +339,9 @@ def test_liveness_bites_on_a_stall_while_two_nodes_stayed_in_the_job(tmp_path):
     check = inv.check_liveness(_result(tmp_path, records, [fault]), lease_ttl_s=5)
     assert not check.passed and check.fault == "#1 node-freeze"
     assert "while a, c had been in the job for over 20 s" in check.detail
+
+
+def test_liveness_owes_nothing_while_etcd_is_down(tmp_path):
+    records = _stalled(_records(), 30, 60.0)
+    outage = FaultRecord(1, "etcd-quorum-loss", "step 30", None, 30, T0 + 3.0, T0 + 50.0, None)
+    assert inv.check_liveness(_result(tmp_path, records, [outage]), lease_ttl_s=5).passed
