@@ -741,6 +741,35 @@ def write_report(out: Path, name: str, report: dict[str, Any]) -> None:
     (out / f"{name}.md").write_text(markdown(report))
 
 
+def across_seeds(reports: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
+    """One row per (report, system): the liveness and goodput of each seed's trace, the
+    verdicts against the longest-pause target and the invariant; JSON and markdown."""
+    rows = []
+    for report in reports:
+        for system, g in summarize(report).items():
+            rows.append({"seed": report["settings"]["seed"], "system": system,
+                         "duration_s": report["settings"]["duration_s"], "survived": g["survived"],
+                         "sample_goodput": g["sample_goodput"], "longest_pause_s": g["longest_pause_s"],
+                         "longest_pause_at_s": g["longest_pause_at_s"],
+                         "longest_pause_after": g["longest_pause_after"],
+                         "violations": len(g["liveness_violations"] or []),
+                         "pause_met": g["longest_pause_s"] is not None
+                         and g["longest_pause_s"] <= PAUSE_TARGET_S})
+    lines = [f"# Goodput and liveness across seeds (target: every trace survived, longest pause <= "
+             f"{PAUSE_TARGET_S:.0f} s, invariant bound {LIVENESS_BOUND_S:.0f} s)", "",
+             "| seed | system | trace s | survived | goodput, samples | longest pause s (at +s) | "
+             "after | target | invariant |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        held = "held" if not r["violations"] else f"**violated** x{r['violations']}"
+        lines.append(
+            f"| {r['seed']} | {SYSTEMS[r['system']]} | {r['duration_s']:.0f} | "
+            f"{'yes' if r['survived'] else '**no**'} | {_pct(r['sample_goodput'])} | "
+            f"{_f(r['longest_pause_s'], '{:.1f}')} (+{_f(r['longest_pause_at_s'], '{:.0f}')}) | "
+            f"{'; '.join(r['longest_pause_after']) or '-'} | {'met' if r['pause_met'] else '**missed**'} | "
+            f"{held} |")
+    return {"rows": rows}, "\n".join(lines) + "\n"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--duration-s", type=float, default=300.0, help="trace length per system")
@@ -755,6 +784,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep-dirs", action="store_true")
     p.add_argument("--from-json", type=Path, default=None,
                    help="re-derive the summary and markdown of a report already written (no run)")
+    p.add_argument("--across", type=Path, nargs="+", default=None,
+                   help="reports already written (one per seed): one liveness table of them all")
     p.add_argument("--wait-quiet-s", type=float, default=0.0,
                    help="first wait up to this long for a quiet machine (1-min load < 0.8 for 30 s)")
     args = p.parse_args(argv)
@@ -766,6 +797,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.across is not None:
+        table, text = across_seeds([json.loads(path.read_text()) for path in args.across])
+        (Path(args.out) / f"{args.name}.json").write_text(json.dumps(table, indent=1))
+        (Path(args.out) / f"{args.name}.md").write_text(text)
+        print(text)
+        return 0
     if args.from_json is not None:
         report = json.loads(args.from_json.read_text())
         write_report(Path(args.out), args.name, report)
