@@ -5,6 +5,7 @@ No processes, no clocks: a trace is a function of its seed, a timeline is a list
 
 from __future__ import annotations
 
+import json
 import statistics
 
 import pytest
@@ -193,3 +194,12 @@ def test_liveness_of_a_stalled_trace_names_the_pause_and_the_actions_behind_it()
     healthy = g.liveness_of(steps[:299] + [{"event": "step", "time": t0 + 38, "step": 300}], sent,
                             t0, t0 + 38)
     assert healthy["liveness_violations"] == [] and healthy["longest_pause_s"] < 10
+
+
+def test_across_seeds_tabulates_each_reports_liveness() -> None:
+    report = json.loads((g.REPO / "benchmarks" / "results" / "goodput-liveness-seed5.json").read_text())
+    table, text = g.across_seeds([report])
+    (row,) = table["rows"]
+    assert row["seed"] == 5 and row["survived"] and row["violations"] == 0
+    assert row["pause_met"] == (row["longest_pause_s"] <= g.PAUSE_TARGET_S)
+    assert "| 5 | elasticd, in-place | 420 | yes |" in text
