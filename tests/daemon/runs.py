@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from checkpointing import CheckpointManager
-from tests.daemon_nodes import DaemonNode, stepping_at, wait_for
+from tests.daemon_nodes import DaemonNode, log_lines, stepping_at, wait_for
 from tests.oracle import Run, max_rel_diff, norm_rel_diff, replay, step_history
 
 # The job the whole-job scenarios train (float64, checked against ``RUN``'s replay).
@@ -108,6 +108,13 @@ def final_matches_replay(ckpt: Path, history: Mapping[int, Any],
     print(f"oracle: relative difference {rel:.3e} (worst element {worst:.3e}) over {final} steps")
     assert rel < 1e-9
     return final
+
+
+def no_crash_counted(node: DaemonNode) -> None:
+    """``node``'s daemon counted no crash: no worker restart after a crash, no agent exit
+    against its budget (the sentence "... (failure 2 of 5) ...")."""
+    sentences = [e["event"] for e in log_lines(node)]
+    assert not [s for s in sentences if "after a crash" in s or "(failure " in s], sentences
 
 
 def matches_the_replay(node: DaemonNode, ckpt: Path, final: int) -> dict[int, tuple[int, float]]:
