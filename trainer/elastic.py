@@ -209,7 +209,7 @@ class ElasticState:
 
         First every node must see the job's newest checkpoint (``trainer.fitness``: one
         that cannot is charged with it, ``NodeUnfit``; the others exit ``PeerUnfit``)."""
-        fitness = Fitness(self.ctx.rank - self.ctx.local_rank, self.ctx.rank, self.device,
+        fitness = Fitness(self.ctx.rank - self.ctx.local_rank, self.device,
                           self.ctx.checkpoint_dir, self._newest_seen, tdist.collective)
         newest = fitness.agree_newest()
         # Rank 0 picks the newest checkpoint that verifies (falling back past damaged

@@ -77,14 +77,14 @@ def gather(node: int, value: int, device: torch.device,
 
 
 class Fitness:
-    """The two checks of one resume, for the rank ``rank`` of node ``node``."""
+    """The two checks of one resume, for a rank of node ``node``."""
 
-    def __init__(self, node: int, rank: int, device: torch.device, directory: str | None,
+    def __init__(self, node: int, device: torch.device, directory: str | None,
                  newest_seen: Callable[[], int],
                  collective: Callable[[str, Callable], None],
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep) -> None:
-        self.node, self.rank, self.device = node, rank, device
+        self.node, self.device = node, device
         self.directory = directory
         self.newest_seen = newest_seen
         self.collective = collective

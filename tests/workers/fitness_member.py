@@ -28,7 +28,7 @@ def main() -> None:
         step = manager.latest_step()
         return NONE if step is None else step
 
-    fitness = Fitness(node, rank, torch.device("cpu"), directory, newest, tdist.collective)
+    fitness = Fitness(node, torch.device("cpu"), directory, newest, tdist.collective)
     fail_load = len(sys.argv) > 6 and sys.argv[6] == "fail-load"
     try:
         out = {"newest": fitness.agree_newest()}
