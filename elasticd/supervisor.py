@@ -297,12 +297,13 @@ class Memory:
     reformed_without: frozenset[str] = frozenset()
     # elasticd.quorum: this node's own suspicions (node -> (how, since)), published in its
     # record; when its probes of each peer first went unanswered; the peers a majority
-    # condemned (acted on once, until their record goes); since when this node is cut off
-    # from the majority (it then stops its workers and waits).
+    # condemned, with the agent their record named then (``_held_verdicts``: acted on
+    # once); since when this node is cut off from the majority (it then stops its
+    # workers and waits).
     suspicions: Mapping[str, tuple[str, float]] = field(default_factory=dict)
     silent_since: Mapping[str, float] = field(default_factory=dict)
     published_suspects: frozenset[str] = frozenset()
-    condemned: frozenset[str] = frozenset()
+    condemned: Mapping[str, tuple[str, int] | None] = field(default_factory=dict)
     isolated_since: float | None = None
     # Since when the round our agent is forming names an agent that is gone; whether we
     # killed our agent to release it from that round (its exit is then no failure).
@@ -510,8 +511,10 @@ def _suspicions(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, li
         actions.append(act(Kind.PUBLISH, fields={"suspects": sorted(mine)}))
     me, votes = snap.node_id, set(mine)
     condemned = quorum.condemned(me, votes, snap.peers)
+    held = _held_verdicts(mem.condemned, condemned, snap.peers)
     dead = dict(mem.dead)
-    for node in sorted(condemned - mem.condemned):
+    for node in sorted(condemned - set(held)):
+        held[node] = snap.peers[node].agent
         if node not in mem.evicting:
             dead[node] = Death(snap.peers[node], mine.get(node, ("silent", 0.0))[0])
             notes.append(f"a majority of the members suspect peer {node}")
@@ -522,9 +525,22 @@ def _suspicions(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, li
     elif not isolated and mem.isolated_since is not None:
         notes.append("this node reaches the majority again")
     mem = replace(mem, suspicions=mine, silent_since=silent, published_suspects=frozenset(mine),
-                  dead=dead, condemned=(mem.condemned | condemned) & frozenset(snap.peers),
+                  dead=dead, condemned=held,
                   isolated_since=(mem.isolated_since or snap.now) if isolated else None)
     return mem, actions, "; ".join(notes)
+
+
+def _held_verdicts(verdicts: Mapping[str, tuple[str, int] | None], condemned: frozenset[str],
+                   peers: Mapping[str, PeerView]) -> dict[str, tuple[str, int] | None]:
+    """The earlier verdicts still in force: a verdict is on one incarnation of a node, so
+    it holds while the node has a record and either the majority still suspects it or
+    the record still names the agent it was passed on. A node restarted before its
+    old lease ran out (its new daemon overwrote the record) is a new member once it
+    answers; before, its verdict lived as long as the key, and every round the node
+    joined was taken as naming a gone agent (the demo's rejoin in CI: the survivors
+    released their agents every few seconds, no world of 3 in 120 s)."""
+    return {n: agent for n, agent in verdicts.items()
+            if n in peers and (n in condemned or peers[n].agent == agent)}
 
 
 def _own_suspicions(snap: Snapshot, mem: Memory, policy: Policy
@@ -926,9 +942,10 @@ def _trained_in_round(snap: Snapshot, mem: Memory) -> bool:
 
 def gone_members(snap: Snapshot, mem: Memory) -> frozenset[tuple[str, int]]:
     """The agents of the newest round that no live member's record names: their node is
-    gone (its record expired or left), condemned by the majority, or has a new agent."""
-    live = {p.agent for n, p in snap.peers.items()
-            if p.agent and p.state not in _GONE_STATES and n not in mem.condemned}
+    gone (its record expired or left), has a new agent, or the majority condemned the
+    agent (a condemned node's new agent is live: the verdict was on the old one)."""
+    live = {p.agent for n, p in snap.peers.items() if p.agent and p.state not in _GONE_STATES
+            and (n not in mem.condemned or mem.condemned[n] != p.agent)}
     mine = (snap.agent_addr, snap.agent_pid)
     return frozenset(a for a in snap.round_members if a != mine and a not in live)
 

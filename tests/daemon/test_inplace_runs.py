@@ -35,6 +35,7 @@ pytestmark = pytest.mark.inplace
 
 REPO = Path(__file__).resolve().parents[2]
 FAULTY = str(REPO / "tests" / "workers" / "reform_fault.py")
+SLOW_START = str(REPO / "tests" / "workers" / "slow_start.py")
 _entry = entry
 
 
@@ -43,12 +44,12 @@ def job(tmp_path, job_id, etcd_server):
     nodes: list[DaemonNode] = []
 
     def add(name: str, final: int, script: str = MLP, mode: str = "in-place",
-            min_nodes: int = 3, sections: str = "") -> DaemonNode:
+            min_nodes: int = 3, sections: str = "", env: dict | None = None) -> DaemonNode:
         # min_nodes 3 by default: with fewer, the first world could run the whole job
         # before the third node joined (seen); the restart-path tests need 2.
         node = DaemonNode(name, etcd_server.endpoint, job_id, tmp_path, {
             "entrypoint": _entry(final, script), "every_steps": 10, "min_nodes": min_nodes,
-            "sections": f'[recovery]\nmode = "{mode}"\n{sections}'}).start()
+            "sections": f'[recovery]\nmode = "{mode}"\n{sections}'}, env=env or {}).start()
         nodes.append(node)
         return node
 
@@ -140,6 +141,30 @@ def test_a_node_that_rejoins_after_an_in_place_shrink_grows_the_world_back(job, 
     history = _matches_the_replay(witness, tmp_path / "ckpt", final)
     assert [w for _, (w, _) in sorted(history.items())][-1] == 3
 
+
+
+def test_a_crashed_node_restarted_before_its_lease_ran_out_rejoins(job, tmp_path):
+    """The demo's rejoin in CI: node-c, SIGKILLed and restarted at once, overwrote its
+    record before its old lease expired, and the majority's verdict on it lived as long as
+    the key: with worker starts slower than the broken-round grace (CI's load; here a
+    4 s sleep), the survivors took every round it joined as naming a gone agent and
+    released their agents again and again (no world of 3 in 120 s)."""
+    add, nodes = job
+    final, marker = 400, tmp_path / "slow"
+    env = {"SLOW_START_MARKER": str(marker), "SLOW_START_S": "4"}
+    three = _three(lambda name, final, script, min_nodes: add(
+        name, final, script, min_nodes=2, env=env), final, SLOW_START)
+    marker.touch()
+    victim, survivors, crash = lose_one(three, nodes)
+    back = time.time()
+    victim.start()
+    wait_for(lambda: stepping_at(three, 3, back), 60, "world 3 again", nodes)
+    completed(three)
+    for node in survivors:
+        sentences = [e["event"] for e in log_lines(node)]
+        assert not [s for s in sentences if "that are gone" in s], sentences[-30:]
+    history = _matches_the_replay(survivors[0], tmp_path / "ckpt", final)
+    assert [w for _, (w, _) in sorted(history.items())][-1] == 3
 
 
 def test_the_jobs_rounds_outlive_a_lost_round_leader(job, tmp_path, etcd_server, job_id):

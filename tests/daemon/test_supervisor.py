@@ -25,6 +25,7 @@ from elasticd.supervisor import (
     Snapshot,
     decide,
     drain_grace,
+    gone_members,
     hang_bound,
     records_loss,
     records_recovery,
@@ -227,6 +228,48 @@ def test_a_peer_a_majority_suspects_is_condemned_once():
     # Its lease expires later: etcd's verdict on the same death is not a second eviction.
     gone = d(live(node_id="a", now=T + 5, peers={"c": C}, departed=(B,)), later.memory)
     assert Kind.EVICT not in gone.kinds() and Kind.CONFIRM_PEER not in gone.kinds()
+
+
+def _condemn_b() -> Memory:
+    """a and c suspect b (b's agent 77): condemned, evicted."""
+    mine = d(live(node_id="a", peers=PEERS, refused=(B,))).memory
+    c_too = {"b": B, "c": replace(C, suspects=frozenset({"b"}))}
+    return d(live(node_id="a", now=T + 0.1, peers=c_too), mine).memory
+
+
+def test_a_verdict_holds_while_the_record_names_the_condemned_agent():
+    mem = _condemn_b()
+    assert mem.condemned == {"b": B.agent}
+    # The probes answer again (a dropped link healed) but the record is the old one.
+    again = d(live(node_id="a", now=T + 1, peers=PEERS, probe_answers={"b": "alive"}), mem)
+    assert again.memory.condemned == {"b": B.agent} and Kind.EVICT not in again.kinds()
+
+
+def test_a_condemned_node_restarted_before_its_lease_ran_out_is_a_new_member():
+    """The demo's rejoin in CI: node-c, SIGKILLed and restarted at once, overwrote its
+    record before the old lease expired; the verdict on it lived as long as the key, so
+    the survivors took every round it joined as naming a gone agent."""
+    mem = _condemn_b()
+    back = replace(B, agent=("127.0.0.1", 5151), mod_revision=20,
+                   probe="127.0.0.1:10")
+    # Still suspected (no answer from its new daemon yet): held, and not a second death.
+    suspected = {"b": back, "c": replace(C, suspects=frozenset({"b"}))}
+    held = d(live(node_id="a", now=T + 1, peers=suspected), mem)
+    assert held.memory.condemned == {"b": B.agent} and Kind.EVICT not in held.kinds()
+    # Its new agent is live all the same: a round naming it is not broken.
+    s = _forming(now=T + 1, members=(MINE, back.agent), peers={"b": back})
+    assert gone_members(s, held.memory) == frozenset()
+    # It answers: the verdict is lifted.
+    answered = d(live(node_id="a", now=T + 2, peers={"b": back, "c": C},
+                      probe_answers={"b": "alive"}), held.memory)
+    assert answered.memory.condemned == {} and answered.memory.suspicions == {}
+    # Crashed again (the first eviction long done), it is condemned again.
+    again = d(live(node_id="a", now=T + 3, peers={"b": back, "c": C}, refused=(back,)),
+              replace(answered.memory, evicting={}, dead={}))
+    twice = d(live(node_id="a", now=T + 3.1, peers={"b": back, "c": replace(
+        C, suspects=frozenset({"b"}))}), again.memory)
+    assert twice.memory.condemned == {"b": back.agent} and Kind.EVICT in twice.kinds()
+    assert "a majority of the members suspect peer b" in twice.reason
 
 
 def test_a_minority_of_one_suspicion_condemns_nobody():
@@ -953,7 +996,7 @@ def test_a_member_whose_node_left_or_failed_is_gone(state):
 
 def test_a_member_the_majority_condemned_is_gone_though_its_record_lives():
     d_peer = PeerView("d", "running", D_AGENT, 9, "127.0.0.1:9")
-    mem = replace(FORMING, condemned=frozenset({"d"}))
+    mem = replace(FORMING, condemned={"d": D_AGENT})
     first = d(_forming(peers={"b": B, "d": d_peer}), mem)
     assert Kind.KILL_AGENT in d(_forming(now=T + 2, peers={"b": B, "d": d_peer}), first.memory).kinds()
 
