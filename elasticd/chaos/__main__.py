@@ -1,6 +1,7 @@
 """``python -m elasticd.chaos``: run one chaos scenario on this machine and write its report.
 
     python -m elasticd.chaos --seed 7 --faults node-kill,drain,etcd-restart --out DIR
+    python -m elasticd.chaos --seed 7 --overlap --out DIR   # pairs: the second inside the first's recovery
     python -m elasticd.chaos --scenario scenario.toml --out DIR
     python -m elasticd.chaos --list        # the fault kinds
 
@@ -38,6 +39,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--rounds", choices=ROUNDS, default=DEFAULT_ROUNDS,
                    help="the daemons' rendezvous layout ([rendezvous] rounds)")
+    p.add_argument("--overlap", action="store_true",
+                   help="draw the faults in pairs, the second fired 0-2 s into a drawn phase of "
+                   "the first one's recovery (a drain's stop, a restart, a round, a re-form, a join)")
     p.add_argument("--spacing", type=int, default=60, help="steps between drawn faults")
     p.add_argument("--final-step", type=int, default=None,
                    help="the job's last step for a drawn scenario (default: 150 past the last fault; "
@@ -55,7 +59,8 @@ def scenario_of(args: argparse.Namespace) -> Scenario:
     extra: dict[str, object] = {"rounds": args.rounds}
     if args.final_step is not None:
         extra["final_step"] = args.final_step
-    return draw(args.seed, kinds, nodes=args.nodes, spacing=args.spacing, **extra)
+    return draw(args.seed, kinds, nodes=args.nodes, spacing=args.spacing, overlap=args.overlap,
+                **extra)
 
 
 def _exit_on(signum: int, _frame: object) -> None:

@@ -122,6 +122,7 @@ class PreemptionNotice(Injector):
     name = "preemption-notice"
     summary = "the fake metadata server announces a GCE preemption (30 s deadline) for the node"
     needs_metadata: ClassVar[bool] = True
+    phases: ClassVar[tuple[str, ...]] = ("inject", "drain", "restart", "round", "join")
 
     def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
         server = t.metadata.get(victim.name)
@@ -155,6 +156,7 @@ class FlappingNode(Injector):
     DOWN_S: ClassVar[float] = 2.0
     UP_S: ClassVar[float] = 5.0
     hold_s = DOWN_S
+    phases: ClassVar[tuple[str, ...]] = ("inject", "reform", "join")
 
     def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
         pids = []

@@ -147,6 +147,9 @@ class Injector:
     # False: the fault needs a setup the runner cannot make (a small mounted filesystem),
     # so it is left out of the command line's default draw and of the random sequence.
     drawn_by_default: ClassVar[bool] = True
+    # The phases of its recovery (elasticd.chaos.scenario.PHASES) an overlapping draw may
+    # fire the next fault in: the ones the system goes through after this fault.
+    phases: ClassVar[tuple[str, ...]] = ("inject",)
 
     def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
         raise NotImplementedError
@@ -193,6 +196,8 @@ class _Restarted(Injector):
     later (as a machine reboots, or systemd restarts the service)."""
 
     hold_s = 2.0
+    # Lost: the survivors re-form in place; back: the node joins through a round.
+    phases: ClassVar[tuple[str, ...]] = ("inject", "reform", "join", "round")
 
     def heal(self, t: Target, victim: DaemonNode | None) -> Detail:
         victim.start()
@@ -234,6 +239,7 @@ class Rank0NodeKill(NodeKill):
 class NodeStop(Injector):
     name = "node-stop"
     summary = "SIGSTOP the whole node (silent) for longer than its lease; then SIGCONT"
+    phases: ClassVar[tuple[str, ...]] = ("inject", "reform")
 
     def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
         victim.signal_tree(signal.SIGSTOP)
@@ -252,6 +258,8 @@ class NodeStop(Injector):
 class Drain(Injector):
     name = "drain"
     summary = "SIGTERM the daemon (a drain: checkpoint at an agreed step, leave); restart it"
+    # The drain's stop, the restart of every worker, the next round (and later the rejoin).
+    phases: ClassVar[tuple[str, ...]] = ("inject", "drain", "restart", "round", "join")
 
     def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
         victim.proc.send_signal(signal.SIGTERM)

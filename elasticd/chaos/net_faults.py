@@ -89,6 +89,7 @@ class NetFault(Injector):
     # iptables and a network of their own (no 3-member etcd, no metadata server there).
     drawn_by_default: ClassVar[bool] = False
     replaces_workers = False
+    phases: ClassVar[tuple[str, ...]] = ("inject", "reform")
 
     def cut_s(self, t: Target) -> float:
         return t.lease_ttl_s + 5.0   # past the lease: the cut node's record is gone

@@ -18,9 +18,11 @@ replay oracle can recompute it.
 from __future__ import annotations
 
 import contextlib
+import json
 import random
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,10 +30,19 @@ from typing import Any
 from elasticd import proctree
 from elasticd.chaos.faults import INJECTORS, Detail, InjectionError, Injector, Target, workers_of
 from elasticd.chaos.oracle import Run
-from elasticd.chaos.scenario import FaultSpec, Scenario
+from elasticd.chaos.scenario import PHASES, FaultSpec, Scenario
 from elasticd.embedded_etcd import etcd_version
 from elasticd.fake_metadata import FakeMetadata
-from elasticd.local_cluster import MLP, Cluster, DaemonNode, _identity, describe, local_cluster, stepping_at
+from elasticd.local_cluster import (
+    MLP,
+    Cluster,
+    DaemonNode,
+    _identity,
+    describe,
+    local_cluster,
+    record_time,
+    stepping_at,
+)
 
 # The job the oracle replays: small enough that a step costs ~nothing beyond its sleep.
 RUN = Run(samples=300, batch=4, lr=0.05, seed=7, data_seed=11, momentum=0.9)
@@ -46,6 +57,9 @@ RECOVER_TIMEOUT_S = 180.0
 # the last FRESH_S, continuously for SETTLE_S.
 SETTLE_S = 6.0
 FRESH_S = 1.0
+# An overlapping fault whose phase never begins fires this long after the previous one's
+# injection, its record marked (phase_seen false): the scenario asked for what did not come.
+PHASE_TIMEOUT_S = 90.0
 Say = Callable[[str], None]
 
 
@@ -109,12 +123,14 @@ def _due(spec: FaultSpec, nodes: list[DaemonNode], t_formed: float) -> bool:
     return time.time() >= t_formed + spec.at_s
 
 
-def resolve_target(spec: FaultSpec, injector: Injector, t: Target, rng: random.Random) -> DaemonNode | None:
-    """The node a fault hits: the scenario's target unless the injector fixes its own."""
+def resolve_target(spec: FaultSpec, injector: Injector, t: Target, rng: random.Random,
+                   busy: frozenset[str] = frozenset()) -> DaemonNode | None:
+    """The node a fault hits: the scenario's target unless the injector fixes its own;
+    never one of ``busy`` (hit by an earlier fault of the same burst, not yet healed)."""
     if injector.target_rule == "cluster":
         return None
     rule = "rank0" if injector.target_rule == "rank0" else spec.target
-    running = t.running()
+    running = [n for n in t.running() if n.name not in busy]
     if rule == "rank0":
         node = t.rank0()
     elif rule == "other":
@@ -126,6 +142,9 @@ def resolve_target(spec: FaultSpec, injector: Injector, t: Target, rng: random.R
     else:
         node = t.nodes.get(rule)
         node = node if node is not None and node.running() else None
+    if node is not None and node.name in busy:
+        raise InjectionError(f"target {rule!r}: node {node.name} is down by an earlier fault of "
+                             "this burst")
     if node is None:
         raise InjectionError(f"target {rule!r}: no such running node")
     return node
@@ -140,42 +159,164 @@ def _wait(predicate: Callable[[], bool], timeout_s: float) -> bool:
     return proctree.wait_for(predicate, timeout_s, 0.1)
 
 
-def _one_fault(i: int, spec: FaultSpec, cluster_nodes: list[DaemonNode], t: Target,
-               rng: random.Random, say: Say) -> FaultRecord:
-    rec = FaultRecord(i, spec.kind, spec.when())
+@dataclass
+class _Fired:
+    """An injected fault of a burst: its record, and its heal running beside what follows."""
+
+    rec: FaultRecord
+    injector: Injector
+    victim: DaemonNode | None
+    old: set[tuple[int, float] | None]
+    healer: threading.Thread
+
+    def hit(self, t: Target) -> DaemonNode | None:
+        return self.victim or t.nodes.get(self.rec.detail.get("node", ""))
+
+
+def _inject(i: int, spec: FaultSpec, cluster_nodes: list[DaemonNode], t: Target,
+            rng: random.Random, say: Say, busy: frozenset[str],
+            overlap: Detail) -> tuple[FaultRecord, _Fired | None]:
+    """Inject fault ``i`` and start its hold and heal in a thread of their own (a fault of
+    the same burst may fire meanwhile)."""
+    rec = FaultRecord(i, spec.kind, spec.when(), detail=dict(overlap))
     injector = INJECTORS[spec.kind]()
     try:
-        victim = resolve_target(spec, injector, t, rng)
+        victim = resolve_target(spec, injector, t, rng, busy)
         rec.target = victim.name if victim else None
         rec.step = _step_now(cluster_nodes)
         old = {_identity(p) for n in t.running() for p in workers_of(n)}
         rec.t_inject = time.time()
-        rec.detail = injector.inject(t, victim)
+        rec.detail |= injector.inject(t, victim)
         if "t_fired" in rec.detail:   # an injector that waited for its moment (a log line)
             rec.t_inject = rec.detail.pop("t_fired")
             rec.step = _step_now(cluster_nodes)
-        time.sleep(injector.hold_s)
-        rec.detail |= injector.heal(t, victim)
-        rec.t_heal = time.time()
-        hit = victim or t.nodes.get(rec.detail.get("node", ""))
     except InjectionError as exc:
         rec.error = f"not injected: {exc}"
+        rec.t_inject = None
         say(f"fault {i} {spec.kind}: {rec.error}")
-        return rec
-    say(f"fault {i} {spec.kind} on {rec.target or 'the cluster'} at step {rec.step}: {rec.detail}")
-    n = len(cluster_nodes)
-    renewed = (lambda: replaced(hit, old)) if injector.replaces_workers and hit else None
-    rec.t_recovered = wait_stable(cluster_nodes, n, rec.t_heal, RECOVER_TIMEOUT_S, extra=renewed,
-                                  abort=lambda: completed(cluster_nodes))
-    if rec.t_recovered is not None:
-        say(f"  recovered: a world of {n} again after {rec.t_recovered - rec.t_inject:.1f} s")
-    elif completed(cluster_nodes):
-        rec.error = (f"the job completed before a world of {n} was back: the scenario needs a "
-                     "later final_step (or a larger step_sleep)")
+        return rec, None
+    healer = threading.Thread(target=_heal, args=(rec, injector, t, victim), daemon=True,
+                              name=f"heal-{i}-{spec.kind}")
+    healer.start()
+    return rec, _Fired(rec, injector, victim, old, healer)
+
+
+def _heal(rec: FaultRecord, injector: Injector, t: Target, victim: DaemonNode | None) -> None:
+    try:
+        time.sleep(injector.hold_s)
+        rec.detail |= injector.heal(t, victim)
+    except InjectionError as exc:
+        rec.error = f"not healed: {exc}"
+    rec.t_heal = time.time()
+
+
+class _Tail:
+    """The JSON lines a log gained since the last read (a restarted node appends)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.rest = path, 0, b""
+
+    def new(self) -> list[dict]:
+        try:
+            with self.path.open("rb") as f:
+                if f.seek(0, 2) < self.offset:   # truncated: start again
+                    self.offset, self.rest = 0, b""
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        self.offset += len(data)
+        *lines, self.rest = (self.rest + data).split(b"\n")
+        return [r for line in lines if (r := _json_object(line.decode(errors="replace")))]
+
+
+def _json_object(line: str) -> dict | None:
+    start = line.find("{")
+    if start < 0:
+        return None
+    with contextlib.suppress(ValueError):
+        value = json.loads(line[start:])
+        return value if isinstance(value, dict) else None
+    return None
+
+
+def await_phase(spec: FaultSpec, since: float, nodes: list[DaemonNode],
+                timeout_s: float = PHASE_TIMEOUT_S) -> Detail:
+    """Wait until ``spec.during`` began after ``since`` (a daemon's log line on any node,
+    scenario.PHASES), then ``spec.gap_s`` more; what was seen, for the fault's record. A
+    phase that never comes within ``timeout_s`` lets the fault fire then, marked unseen."""
+    needle = PHASES[spec.during or "inject"]
+    seen: tuple[float, str | None] | None = None if needle else (since, None)
+    tails = {n.name: _Tail(n.log_path) for n in nodes} if needle else {}
+
+    def began() -> bool:
+        nonlocal seen
+        for name, tail in tails.items():
+            for r in tail.new():
+                at = record_time(r)
+                if at is not None and at >= since and needle in str(r.get("event", "")):
+                    seen = (at, name)
+                    return True
+        return False
+
+    if seen is None:
+        _wait(began, timeout_s)
+    if seen is None:
+        at, detail = time.time(), {"phase": spec.during, "phase_seen": False}
     else:
-        rec.error = f"no world of {n} within {RECOVER_TIMEOUT_S:.0f} s of the heal"
-        say(f"  {rec.error}")
-    return rec
+        at = seen[0]
+        detail = {"phase": spec.during, "phase_at": round(at, 3), "phase_node": seen[1]}
+    time.sleep(max(0.0, at + (spec.gap_s or 0.0) - time.time()))
+    return {"overlap": detail}
+
+
+def _burst(first: int, specs: list[FaultSpec], cluster_nodes: list[DaemonNode], t: Target,
+           rng: random.Random, say: Say) -> list[FaultRecord]:
+    """One fault, and those written to overlap it (``during``): each fires in its phase of
+    the previous one's recovery while the earlier ones still heal; they recover as one."""
+    records: list[FaultRecord] = []
+    fired: list[_Fired] = []
+    for k, spec in enumerate(specs):
+        overlap: Detail = {}
+        if spec.during is not None:
+            since = next((r.t_inject for r in reversed(records) if r.t_inject), time.time())
+            overlap = await_phase(spec, since, cluster_nodes)
+        busy = frozenset(f.victim.name for f in fired if f.victim and f.rec.t_heal is None)
+        rec, done = _inject(first + k, spec, cluster_nodes, t, rng, say, busy, overlap)
+        records.append(rec)
+        if done is not None:
+            fired.append(done)
+    if fired:
+        _recover(fired, cluster_nodes, t, say)
+    return records
+
+
+def _recover(fired: list[_Fired], cluster_nodes: list[DaemonNode], t: Target, say: Say) -> None:
+    """Wait for every heal, then for a world of N, stable, with each hit node that must
+    have new workers running them; every record of the burst gets that moment."""
+    for f in fired:
+        f.healer.join()
+        say(f"fault {f.rec.index} {f.rec.kind} on {f.rec.target or 'the cluster'} at step "
+            f"{f.rec.step}: {f.rec.detail}")
+    n = len(cluster_nodes)
+    renew = [(hit, f.old) for f in fired if f.injector.replaces_workers and (hit := f.hit(t))]
+    extra = (lambda: all(replaced(hit, old) for hit, old in renew)) if renew else None
+    since = max(f.rec.t_heal or time.time() for f in fired)
+    t_recovered = wait_stable(cluster_nodes, n, since, RECOVER_TIMEOUT_S, extra=extra,
+                              abort=lambda: completed(cluster_nodes))
+    first = fired[0].rec
+    if t_recovered is not None:
+        say(f"  recovered: a world of {n} again after {t_recovered - first.t_inject:.1f} s")
+    elif completed(cluster_nodes):
+        error = (f"the job completed before a world of {n} was back: the scenario needs a "
+                 "later final_step (or a larger step_sleep)")
+    else:
+        error = f"no world of {n} within {RECOVER_TIMEOUT_S:.0f} s of the heal"
+        say(f"  {error}")
+    for f in fired:
+        f.rec.t_recovered = t_recovered
+        if t_recovered is None:
+            f.rec.error = f.rec.error or error
 
 
 def replaced(node: DaemonNode, old: set[tuple[int, float] | None]) -> bool:
@@ -298,19 +439,34 @@ def _start_nodes(cluster: Cluster, sc: Scenario, job: str, run: Run,
 
 def _fault_loop(sc: Scenario, nodes: list[DaemonNode], target: Target, rng: random.Random,
                 t_formed: float, faults: list[FaultRecord], say: Say) -> str | None:
-    for i, spec in enumerate(sc.faults):
+    for first, specs in bursts(sc.faults):
+        spec = specs[0]
         _wait(lambda spec=spec: _due(spec, nodes, t_formed) or _ended(nodes), _finish_timeout(sc))
         if _ended(nodes):
             faults.extend(FaultRecord(j, s.kind, s.when(), error="not fired: the job had ended")
-                          for j, s in enumerate(sc.faults[i:], start=i))
-            return f"the job ended before fault {i} ({spec.kind}) fired: raise final_step"
-        rec = _one_fault(i, spec, nodes, target, rng, say)
-        faults.append(rec)
-        if rec.t_inject is not None and rec.t_recovered is None:
+                          for j, s in enumerate(sc.faults[first:], start=first))
+            return f"the job ended before fault {first} ({spec.kind}) fired: raise final_step"
+        records = _burst(first, specs, nodes, target, rng, say)
+        faults.extend(records)
+        stuck = [r for r in records if r.t_inject is not None and r.t_recovered is None]
+        if stuck:
+            nxt = first + len(specs)
             faults.extend(FaultRecord(j, s.kind, s.when(), error="not fired: an earlier fault never "
-                                      "recovered") for j, s in enumerate(sc.faults[i + 1:], start=i + 1))
-            return f"fault {i} ({spec.kind}) never recovered"
+                                      "recovered") for j, s in enumerate(sc.faults[nxt:], start=nxt))
+            return f"fault {stuck[0].index} ({stuck[0].kind}) never recovered"
     return None
+
+
+def bursts(faults: Sequence[FaultSpec]) -> list[tuple[int, list[FaultSpec]]]:
+    """The faults grouped into bursts: one at a step or time and those that follow it in
+    a phase of its recovery (``during``), each with the index of its first fault."""
+    out: list[tuple[int, list[FaultSpec]]] = []
+    for i, spec in enumerate(faults):
+        if spec.during is not None and out:
+            out[-1][1].append(spec)
+        else:
+            out.append((i, [spec]))
+    return out
 
 
 def _ended(nodes: list[DaemonNode]) -> bool:

@@ -14,6 +14,19 @@ Written as a small TOML or JSON file::
 or drawn from a seed (``draw``). A fault fires at its step or time, or as soon as the
 previous one has recovered if that moment has already passed (so a fault never lands
 inside another's recovery unless it is written to: the runner records where it fired).
+
+A fault written to overlap the one before it names a phase of that fault's recovery
+instead of a moment::
+
+    [[fault]]
+    kind = "node-stop"
+    during = "restart"       # a phase of PHASES: fire once the previous fault reached it
+    gap_s = 0.8              # ... and this long after (0-30 s; default 0)
+
+It fires ``gap_s`` after the phase's first log line following the previous fault's
+injection (``inject``: after the injection itself), while that fault is still healing and
+recovering; the faults chained this way recover as one (``draw(..., overlap=True)``
+draws such pairs, the runner records the phase each one fired in).
 """
 
 from __future__ import annotations
@@ -31,6 +44,19 @@ from elasticd.rendezvous.keys import DEFAULT_ROUNDS, ROUNDS
 
 TARGETS = ("rank0", "other", "any")
 MAX_NODES = 8
+MAX_GAP_S = 30.0
+
+# The phases of a recovery an overlapping fault can fire in: name -> the daemon log line
+# (any node's, a substring of its event) that says the phase began. The runner watches for
+# them; one definition for the scenario's validation, the draw and the runner.
+PHASES: dict[str, str | None] = {
+    "inject": None,                                      # the previous injection itself
+    "drain": "draining because",                         # a drain's coordinated stop began
+    "restart": "restarting the local workers",           # workers stopped for the next round
+    "round": "the agent restarted its workers",          # a round closed: group init, resume
+    "reform": "re-forming the world in place",           # survivors re-form without a peer
+    "join": "starting the torchrun agent",               # a (re)started node joins
+}
 
 
 class ScenarioError(ValueError):
@@ -39,14 +65,19 @@ class ScenarioError(ValueError):
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """One planned fault: exactly one of ``at_step`` / ``at_s`` is set."""
+    """One planned fault: exactly one of ``at_step`` / ``at_s`` / ``during`` is set
+    (``during``: a phase of the previous fault's recovery, ``gap_s`` after it)."""
 
     kind: str
     target: str = "any"
     at_step: int | None = None
     at_s: float | None = None
+    during: str | None = None
+    gap_s: float | None = None
 
     def when(self) -> str:
+        if self.during is not None:
+            return f"{self.gap_s or 0:g} s into the previous fault's {self.during}"
         return f"step {self.at_step}" if self.at_step is not None else f"{self.at_s:g} s"
 
 
@@ -106,9 +137,10 @@ def _fault(raw: Any, index: int, nodes: int, kinds: Sequence[str]) -> FaultSpec:
     where = f"fault #{index + 1}"
     if not isinstance(raw, dict):
         raise ScenarioError(f"{where}: a table with kind, target and at_step or at_s, not {raw!r}")
-    unknown = set(raw) - {"kind", "target", "at_step", "at_s"}
+    unknown = set(raw) - {"kind", "target", "at_step", "at_s", "during", "gap_s"}
     if unknown:
-        raise ScenarioError(f"{where}: unknown key(s) {sorted(unknown)}; use kind, target, at_step, at_s")
+        raise ScenarioError(f"{where}: unknown key(s) {sorted(unknown)}; use kind, target, at_step, "
+                            "at_s, during, gap_s")
     kind = raw.get("kind")
     if kind not in kinds:
         raise ScenarioError(f"{where}: kind {kind!r} is not one of {', '.join(kinds)}")
@@ -117,14 +149,33 @@ def _fault(raw: Any, index: int, nodes: int, kinds: Sequence[str]) -> FaultSpec:
     if not isinstance(target, str) or (target not in TARGETS and target not in names):
         raise ScenarioError(f"{where}: target {target!r}: use {', '.join(TARGETS)} or a node "
                             f"name of this scenario ({', '.join(names)})")
-    at_step, at_s = raw.get("at_step"), raw.get("at_s")
-    if (at_step is None) == (at_s is None):
-        raise ScenarioError(f"{where}: give exactly one of at_step (a step) or at_s (seconds)")
+    at_step, at_s, during = raw.get("at_step"), raw.get("at_s"), raw.get("during")
+    if sum(v is not None for v in (at_step, at_s, during)) != 1:
+        raise ScenarioError(f"{where}: give exactly one of at_step (a step), at_s (seconds) or "
+                            "during (a phase of the previous fault's recovery)")
+    if during is not None:
+        return _overlapping(raw, where, index, kind, target)
+    if "gap_s" in raw:
+        raise ScenarioError(f"{where}: gap_s goes with during (a phase); at a step or time, "
+                            "leave it out")
     if at_step is not None and (not isinstance(at_step, int) or isinstance(at_step, bool) or at_step < 1):
         raise ScenarioError(f"{where}: at_step = {at_step!r}: a step >= 1")
     if at_s is not None and (not isinstance(at_s, (int, float)) or isinstance(at_s, bool) or at_s < 0):
         raise ScenarioError(f"{where}: at_s = {at_s!r}: seconds >= 0")
     return FaultSpec(kind, target, at_step, None if at_s is None else float(at_s))
+
+
+def _overlapping(raw: dict[str, Any], where: str, index: int, kind: str, target: str) -> FaultSpec:
+    """A fault that fires in a phase of the previous one's recovery (``during``)."""
+    during, gap = raw["during"], raw.get("gap_s", 0.0)
+    if index == 0:
+        raise ScenarioError(f"{where}: during names a phase of the previous fault's recovery; "
+                            "the first fault has none: give it at_step or at_s")
+    if during not in PHASES:
+        raise ScenarioError(f"{where}: during = {during!r} is not one of {', '.join(PHASES)}")
+    if not isinstance(gap, (int, float)) or isinstance(gap, bool) or not 0 <= gap <= MAX_GAP_S:
+        raise ScenarioError(f"{where}: gap_s = {gap!r}: seconds in 0..{MAX_GAP_S:g} after the phase")
+    return FaultSpec(kind, target, during=during, gap_s=float(gap))
 
 
 def from_dict(raw: dict[str, Any], kinds: Sequence[str] | None = None, name: str = "") -> Scenario:
@@ -198,10 +249,14 @@ FAULT_STEPS = 300
 
 
 def draw(seed: int, kinds: Iterable[str], nodes: int = 3, first_step: int = 60,
-         spacing: int = 60, tail: int = 150, **settings: Any) -> Scenario:
+         spacing: int = 60, tail: int = 150, overlap: bool = False, **settings: Any) -> Scenario:
     """A scenario from a seed: ``kinds`` in a seeded order, each at a seeded target, one
     every ``spacing`` steps from ``first_step``; the job runs ``FAULT_STEPS`` per fault
     (or ``spacing``, if larger) and ``tail`` more, unless ``final_step`` is given.
+
+    ``overlap``: the faults come in pairs, the second of each fired in a seeded phase of
+    the first one's recovery (one its injector says it goes through) 0-2 s after that
+    phase began.
 
     The same seed and set of kinds give the same scenario (``random.Random(seed)``).
     """
@@ -215,9 +270,19 @@ def draw(seed: int, kinds: Iterable[str], nodes: int = 3, first_step: int = 60,
     rng = random.Random(seed)
     rng.shuffle(kinds)
     targets = [*TARGETS[:2], *string.ascii_lowercase[:nodes]]
-    faults = tuple(FaultSpec(k, rng.choice(targets), first_step + i * spacing)
-                   for i, k in enumerate(kinds))
+    faults = [{"kind": k, "target": rng.choice(targets), "at_step": first_step + i * spacing}
+              for i, k in enumerate(kinds)]
+    if overlap:
+        for first, second in zip(faults[::2], faults[1::2], strict=False):
+            del second["at_step"]
+            second["during"] = rng.choice(_phases_of(first["kind"]))
+            second["gap_s"] = round(rng.uniform(0.0, 2.0), 2)
     final = first_step + len(kinds) * max(spacing, FAULT_STEPS) + tail
-    return from_dict({"seed": seed, "nodes": nodes, "final_step": final,
-                      "faults": [{k: v for k, v in asdict(f).items() if v is not None} for f in faults],
-                      **settings}, known, name=f"seed-{seed}")
+    return from_dict({"seed": seed, "nodes": nodes, "final_step": final, "faults": faults,
+                      **settings}, known, name=f"seed-{seed}{'-overlap' if overlap else ''}")
+
+
+def _phases_of(kind: str) -> tuple[str, ...]:
+    from elasticd.chaos.faults import INJECTORS
+
+    return INJECTORS[kind].phases

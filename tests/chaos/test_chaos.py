@@ -2,6 +2,8 @@
 (elasticd.chaos). By default every injector once, in an order drawn from the seed (the
 network faults in a sequence of their own, on the cluster's own network);
 ``CHAOS_SEED=N`` replays a sequence, ``CHAOS_ROUNDS=N`` draws N faults (with repeats).
+The overlapping sequence pairs the loopback faults: the second of each pair fires in a
+drawn phase of the first one's recovery, 0-2 s after that phase began (scenario.PHASES).
 After each fault the job must be back to a world of 3; at the end every invariant of
 elasticd.chaos.invariants must hold (the replay oracle, exactly-once, contiguous steps,
 intact checkpoints, no corrupt load, bounded recovery, no process left, completion).
@@ -33,14 +35,15 @@ def sequence_kinds(network: bool) -> list[str]:
 
 
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("network", [False, True], ids=["loopback", "network"])
-def test_random_fault_sequence(tmp_path, job_id, network):
+@pytest.mark.parametrize(("network", "overlap"), [(False, False), (True, False), (False, True)],
+                         ids=["loopback", "network", "overlap"])
+def test_random_fault_sequence(tmp_path, job_id, network, overlap):
     if network and (why := netlab.available() or netlab.iptables_available()):
         pytest.skip(why)
     seed = int(os.environ.get("CHAOS_SEED", time.time()))
     rounds = os.environ.get("CHAOS_ROUNDS")
     every = sequence_kinds(network)
     kinds = every if rounds is None else random.Random(seed).choices(every, k=int(rounds))
-    sc = draw(seed, kinds)   # FAULT_STEPS per fault
-    print(f"chaos seed {seed}: {[f.kind for f in sc.faults]}")
+    sc = draw(seed, kinds, overlap=overlap)   # FAULT_STEPS per fault
+    print(f"chaos seed {seed}: {[(f.kind, f.when()) for f in sc.faults]}")
     run_checked(sc, tmp_path, job_id)

@@ -3,12 +3,16 @@ counts as stable, the job it runs."""
 
 from __future__ import annotations
 
+import json
 import random
+import threading
 import time
+from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
-from elasticd.chaos.faults import INJECTORS, InjectionError, Target
+from elasticd.chaos.faults import INJECTORS, InjectionError, Injector, Target
 from elasticd.chaos.run import entrypoint, wait_stable
 from elasticd.chaos.scenario import FaultSpec, Scenario, draw
 
@@ -22,6 +26,9 @@ class FakeNode:
 
     def running(self) -> bool:
         return self.up
+
+    def tree(self) -> list:
+        return []   # no processes: no workers to tell apart
 
     def progress(self) -> dict:
         now = time.time()
@@ -107,3 +114,98 @@ def test_the_command_line_lists_the_faults_and_refuses_a_bad_scenario(tmp_path, 
     assert main(["--scenario", str(bad), "--out", str(tmp_path / "out")]) == 2
     assert "kind 'meteor' is not one of" in capsys.readouterr().err
     assert main(["--seed", "1", "--faults", "node-kill,meteor"]) == 2
+
+
+# -- overlapping faults: bursts, phases, what a burst's faults may hit -----------------------
+
+def test_faults_written_to_overlap_join_the_burst_of_the_fault_before():
+    from elasticd.chaos.run import bursts
+
+    a, b, c, d = (FaultSpec("drain", "any", 5), FaultSpec("node-kill", during="drain"),
+                  FaultSpec("node-stop", during="reform", gap_s=1.0), FaultSpec("drain", "any", 50))
+    assert bursts([a, b, c, d]) == [(0, [a, b, c]), (3, [d])]
+    assert bursts([a, d]) == [(0, [a]), (1, [d])]
+
+
+class LoggingNode(FakeNode):
+    """A fake node with a daemon log the phase watcher tails."""
+
+    def __init__(self, name: str, rank: int, log: Path) -> None:
+        super().__init__(name, rank)
+        self.log_path = log
+
+    def say(self, event: str, at: float | None = None) -> None:
+        stamp = datetime.fromtimestamp(at or time.time(), UTC).isoformat()
+        with self.log_path.open("a") as f:
+            f.write(json.dumps({"event": event, "timestamp": stamp}) + "\n")
+
+
+def test_an_overlapping_fault_waits_for_its_phase_after_the_previous_injection_then_the_gap(tmp_path):
+    from elasticd.chaos.run import await_phase
+
+    a, b = LoggingNode("a", 0, tmp_path / "a.log"), LoggingNode("b", 1, tmp_path / "b.log")
+    since = time.time()
+    a.say("peer(s) c lost; evicting them and re-forming the world in place", at=since - 5)  # before
+    threading.Timer(0.3, b.say, ["peer(s) c lost; evicting them from the rendezvous and re-forming "
+                                 "the world in place"]).start()
+    spec = FaultSpec("node-kill", during="reform", gap_s=0.4)
+    got = await_phase(spec, since, [a, b], timeout_s=5)["overlap"]
+    assert got["phase"] == "reform" and got["phase_node"] == "b"
+    assert since + 0.25 <= got["phase_at"] and time.time() >= got["phase_at"] + 0.4
+
+
+def test_a_phase_that_never_begins_lets_the_fault_fire_at_the_timeout_marked_unseen(tmp_path):
+    from elasticd.chaos.run import await_phase
+
+    a = LoggingNode("a", 0, tmp_path / "a.log")
+    a.say("registered in etcd; watching peers")
+    t0 = time.time()
+    got = await_phase(FaultSpec("drain", during="drain"), t0 - 1, [a], timeout_s=0.5)["overlap"]
+    assert got == {"phase": "drain", "phase_seen": False} and time.time() - t0 >= 0.5
+    assert await_phase(FaultSpec("drain", during="inject", gap_s=0.2), t0, [a])["overlap"][
+        "phase_at"] == round(t0, 3)
+
+
+def test_a_burst_never_hits_a_node_an_earlier_fault_of_it_still_holds_down():
+    from elasticd.chaos.run import resolve_target
+
+    a, b, c = FakeNode("a", 1), FakeNode("b", 0), FakeNode("c", 2)
+    t, rng = _target(a, b, c), random.Random(3)
+    busy = frozenset({"a"})
+    assert all(resolve_target(FaultSpec("node-kill", "any"), INJECTORS["node-kill"](), t, rng, busy)
+               is not a for _ in range(30))
+    assert resolve_target(FaultSpec("node-kill", "other"), INJECTORS["node-kill"](), t, rng, busy) is c
+    with pytest.raises(InjectionError, match="node a is down by an earlier fault of this burst"):
+        resolve_target(FaultSpec("node-kill", "a"), INJECTORS["node-kill"](), t, rng, busy)
+    with pytest.raises(InjectionError, match="node b is down"):
+        resolve_target(FaultSpec("rank0-node-kill"), INJECTORS["rank0-node-kill"](), t, rng,
+                       frozenset({"b"}))
+
+
+class Marker(Injector):
+    """A fault that only notes when it was injected and healed (its hold: 1 s)."""
+
+    name = "test-marker"
+    summary = "notes its moments"
+    hold_s = 1.0
+    replaces_workers = False
+
+    def inject(self, t, victim):
+        return {"victim": victim.name}
+
+
+def test_a_bursts_faults_fire_while_the_earlier_ones_heal_and_recover_as_one(monkeypatch):
+    from elasticd.chaos import run
+
+    monkeypatch.setitem(INJECTORS, "test-marker", Marker)
+    monkeypatch.setattr(run, "SETTLE_S", 0.3)
+    monkeypatch.setattr(run, "wait_stable", lambda nodes, world, since, timeout_s, **kw: since + 0.1)
+    a, b, c = FakeNode("a", 0), FakeNode("b", 1), FakeNode("c", 2)
+    specs = [FaultSpec("test-marker", "a", 1), FaultSpec("test-marker", "any", during="inject", gap_s=0.2)]
+    first, second = run._burst(0, specs, [a, b, c], _target(a, b, c), random.Random(1), lambda s: None)
+    assert first.target == "a" and second.target in ("b", "c")   # a was still held down
+    assert first.t_inject + 0.2 <= second.t_inject < first.t_heal          # inside the first's hold
+    assert second.detail["overlap"] == {"phase": "inject", "phase_at": round(first.t_inject, 3),
+                                        "phase_node": None}
+    assert first.t_recovered == second.t_recovered == max(first.t_heal, second.t_heal) + 0.1
+    assert first.error is None and second.error is None

@@ -6,8 +6,16 @@ import json
 
 import pytest
 
-from elasticd.chaos.faults import default_kinds
-from elasticd.chaos.scenario import FAULT_STEPS, FaultSpec, ScenarioError, draw, from_dict, load
+from elasticd.chaos.faults import INJECTORS, default_kinds
+from elasticd.chaos.scenario import (
+    FAULT_STEPS,
+    PHASES,
+    FaultSpec,
+    ScenarioError,
+    draw,
+    from_dict,
+    load,
+)
 
 TOML = """
 seed = 7
@@ -57,6 +65,11 @@ def test_a_scenario_names_the_daemons_rendezvous_layout(tmp_path):
     ({"kind": "drain", "at_step": 5, "when": 1}, "unknown key(s) ['when']"),
     ({"kind": "drain", "at_step": 999}, "is not before final_step 400"),
     ("drain", "a table with kind"),
+    ({"kind": "drain", "during": "reform", "at_step": 5}, "exactly one of at_step"),
+    ({"kind": "drain", "during": "lunch"}, "during = 'lunch' is not one of inject, drain"),
+    ({"kind": "drain", "during": "reform", "gap_s": 31}, "gap_s = 31: seconds in 0..30"),
+    ({"kind": "drain", "during": "reform", "gap_s": True}, "gap_s = True"),
+    ({"kind": "drain", "at_step": 5, "gap_s": 1}, "gap_s goes with during"),
 ])
 def test_a_bad_fault_is_refused_with_its_number_and_the_fix(fault, message):
     with pytest.raises(ScenarioError, match="fault #2") as info:
@@ -120,3 +133,41 @@ def test_network_faults_do_not_mix_with_what_needs_loopback():
                                                 f"of its own.*{named} needs loopback"):
             from_dict({"faults": [net, other], "final_step": 100})
     assert from_dict({"faults": [net], "final_step": 100}).etcd_members == 1
+
+
+def test_a_fault_may_overlap_a_phase_of_the_previous_ones_recovery(tmp_path):
+    path = tmp_path / "o.toml"
+    path.write_text(TOML.replace('at_s = 30', 'during = "reform"\ngap_s = 0.8'))
+    sc = load(path)
+    assert sc.faults[1] == FaultSpec("etcd-restart", "any", during="reform", gap_s=0.8)
+    assert sc.faults[1].when() == "0.8 s into the previous fault's reform"
+    again = tmp_path / "o.json"
+    again.write_text(json.dumps(sc.to_dict()))
+    assert load(again) == sc
+
+
+def test_the_first_fault_cannot_overlap_anything():
+    with pytest.raises(ScenarioError, match="fault #1: during names a phase of the previous"):
+        from_dict({"fault": [{"kind": "drain", "during": "inject"}]})
+
+
+def test_an_overlapping_draw_pairs_faults_in_phases_their_injectors_go_through():
+    kinds = ["drain", "node-kill", "node-stop", "etcd-restart", "worker-kill"]
+    sc = draw(5, kinds, overlap=True)
+    assert sc == draw(5, kinds, overlap=True) and sc.name == "seed-5-overlap"
+    plain = draw(5, kinds)
+    # The same kinds, order and targets as the plain draw: only the timing differs.
+    assert [(f.kind, f.target) for f in sc.faults] == [(f.kind, f.target) for f in plain.faults]
+    for i, (before, f) in enumerate(zip(sc.faults, sc.faults[1:], strict=False), start=1):
+        if i % 2:
+            assert f.at_step is None and f.during in INJECTORS[before.kind].phases
+            assert 0 <= f.gap_s <= 2
+        else:
+            assert f.during is None and f.at_step == plain.faults[i].at_step
+    assert sc.faults[0].during is None
+    drawn = {f.during for s in range(40) for f in draw(s, kinds, overlap=True).faults if f.during}
+    assert len(drawn) >= 4 and drawn <= set(PHASES)
+
+
+def test_every_injectors_phases_are_known():
+    assert all(cls.phases and set(cls.phases) <= set(PHASES) for cls in INJECTORS.values())
