@@ -203,6 +203,11 @@ class SupervisorConfig:
     # init, the resume's collectives and checkpoint load) hangs in its start: killed; a
     # crash unless a peer was unreachable then (its fault, not this node's).
     start_timeout_s: float = 600.0
+    # An agent waiting in a round whose world names an agent no live record has (its node
+    # evicted, condemned, or restarted) is released after this long, so that the next
+    # round forms without it (a record naming a peer's new agent may lag its round by
+    # about this much).
+    broken_round_grace_s: float = 2.0
     # The workers stop as diverged after this many agreed non-finite losses in a row and
     # the node is marked failed (a restart would diverge again); 0 disables the check.
     nonfinite_loss_limit: int = 3
@@ -230,6 +235,8 @@ class SupervisorConfig:
                  "use a number >= 2 (times the median step time)")
         _require(self.start_timeout_s > 0, "supervisor.start_timeout_s", self.start_timeout_s,
                  "use seconds > 0 (longer than your workers' start-up and checkpoint load)")
+        _require(self.broken_round_grace_s > 0, "supervisor.broken_round_grace_s",
+                 self.broken_round_grace_s, "use seconds > 0 (2 s: a record's lag behind its round)")
 
 
 @dataclass(frozen=True)

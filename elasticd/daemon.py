@@ -574,7 +574,8 @@ def policy_from(config: Config) -> Policy:
         crash_loop_failures=sup.crash_loop_failures, crash_loop_window_s=sup.crash_loop_window_s,
         drain_grace_s=sup.drain_grace_s, hang_timeout_s=sup.hang_timeout_s,
         hang_floor_s=sup.hang_floor_s, hang_factor=sup.hang_factor,
-        start_timeout_s=sup.start_timeout_s, recovery_mode=config.recovery.mode,
+        start_timeout_s=sup.start_timeout_s, broken_round_grace_s=sup.broken_round_grace_s,
+        recovery_mode=config.recovery.mode,
         recovery_bound_s=config.recovery.bound_s,
         silent_suspect_s=float(config.node.lease_ttl_s))
 

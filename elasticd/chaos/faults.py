@@ -150,6 +150,14 @@ class Injector:
     # The phases of its recovery (elasticd.chaos.scenario.PHASES) an overlapping draw may
     # fire the next fault in: the ones the system goes through after this fault.
     phases: ClassVar[tuple[str, ...]] = ("inject",)
+    # True: the fault lasts (a freeze, a cut) and a scenario may set how long (``for_s``).
+    lasts: ClassVar[bool] = False
+
+    def __init__(self, for_s: float | None = None) -> None:
+        self.for_s = for_s   # the scenario's duration for a fault that lasts; None: its default
+
+    def lasting(self, default_s: float) -> float:
+        return default_s if self.for_s is None else self.for_s
 
     def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
         raise NotImplementedError
@@ -240,14 +248,14 @@ class NodeStop(Injector):
     name = "node-stop"
     summary = "SIGSTOP the whole node (silent) for longer than its lease; then SIGCONT"
     phases: ClassVar[tuple[str, ...]] = ("inject", "reform")
+    lasts = True
 
     def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
         victim.signal_tree(signal.SIGSTOP)
         return {"stopped_s": self.stopped_s(t)}
 
-    @staticmethod
-    def stopped_s(t: Target) -> float:
-        return t.lease_ttl_s + 3.0   # the lease expires; its peers cut it loose
+    def stopped_s(self, t: Target) -> float:
+        return self.lasting(t.lease_ttl_s + 3.0)   # the lease expires; its peers cut it loose
 
     def heal(self, t: Target, victim: DaemonNode | None) -> Detail:
         time.sleep(self.stopped_s(t))

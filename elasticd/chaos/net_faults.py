@@ -90,9 +90,10 @@ class NetFault(Injector):
     drawn_by_default: ClassVar[bool] = False
     replaces_workers = False
     phases: ClassVar[tuple[str, ...]] = ("inject", "reform")
+    lasts = True
 
     def cut_s(self, t: Target) -> float:
-        return t.lease_ttl_s + 5.0   # past the lease: the cut node's record is gone
+        return self.lasting(t.lease_ttl_s + 5.0)   # past the lease: the cut node's record is gone
 
     def rules(self, t: Target, victim: DaemonNode) -> list[list[str]]:
         raise NotImplementedError
@@ -301,7 +302,7 @@ class Netem(NetFault):
     SEED = 5     # the drop draws: the same sequence every run
 
     def cut_s(self, t: Target) -> float:
-        return self.HOLD_S
+        return self.lasting(self.HOLD_S)
 
     def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
         netns = netns_of(victim)

@@ -179,7 +179,7 @@ def _inject(i: int, spec: FaultSpec, cluster_nodes: list[DaemonNode], t: Target,
     """Inject fault ``i`` and start its hold and heal in a thread of their own (a fault of
     the same burst may fire meanwhile)."""
     rec = FaultRecord(i, spec.kind, spec.when(), detail=dict(overlap))
-    injector = INJECTORS[spec.kind]()
+    injector = INJECTORS[spec.kind](spec.for_s)
     try:
         victim = resolve_target(spec, injector, t, rng, busy)
         rec.target = victim.name if victim else None
@@ -201,6 +201,13 @@ def _inject(i: int, spec: FaultSpec, cluster_nodes: list[DaemonNode], t: Target,
     return rec, _Fired(rec, injector, victim, old, healer)
 
 
+# Set once the run's cluster is gone: a heal thread lives until then, because a process
+# it started (an etcd member) has PR_SET_PDEATHSIG tied to the thread that forked it
+# (proctree.with_parent_death_signal) and would die with the thread (seen: etcd restarted
+# by a heal thread was gone as soon as the heal returned, and the job never saw etcd again).
+_RUN_OVER = threading.Event()
+
+
 def _heal(rec: FaultRecord, injector: Injector, t: Target, victim: DaemonNode | None) -> None:
     try:
         time.sleep(injector.hold_s)
@@ -208,6 +215,7 @@ def _heal(rec: FaultRecord, injector: Injector, t: Target, victim: DaemonNode | 
     except InjectionError as exc:
         rec.error = f"not healed: {exc}"
     rec.t_heal = time.time()
+    _RUN_OVER.wait()
 
 
 class _Tail:
@@ -295,7 +303,8 @@ def _recover(fired: list[_Fired], cluster_nodes: list[DaemonNode], t: Target, sa
     """Wait for every heal, then for a world of N, stable, with each hit node that must
     have new workers running them; every record of the burst gets that moment."""
     for f in fired:
-        f.healer.join()
+        while f.rec.t_heal is None and f.healer.is_alive():   # the thread lives on (_RUN_OVER)
+            time.sleep(0.05)
         say(f"fault {f.rec.index} {f.rec.kind} on {f.rec.target or 'the cluster'} at step "
             f"{f.rec.step}: {f.rec.detail}")
     n = len(cluster_nodes)
@@ -367,6 +376,7 @@ def run_scenario(sc: Scenario, root: Path, *, job: str = "chaos", run: Run = RUN
     """Run ``sc`` in ``root`` (configs, logs, checkpoints stay there) and collect what the
     invariants need; every process started is gone when this returns."""
     proctree.become_subreaper()   # orphaned workers re-parent here, where they are seen
+    _RUN_OVER.clear()
     root.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
     faults: list[FaultRecord] = []
@@ -374,25 +384,28 @@ def run_scenario(sc: Scenario, root: Path, *, job: str = "chaos", run: Run = RUN
     error = None
     rng = random.Random(sc.seed)
     before = _identities()
-    with local_cluster(root, etcd_members=sc.etcd_members, network=needs_network(sc)) as cluster, \
-            metadata_servers(sc) as metadata:
-        nodes = _start_nodes(cluster, sc, job, run, metadata)
-        target = Target({n.name: n for n in nodes}, cluster.etcd, root / "ckpt", LEASE_TTL_S,
-                        metadata=metadata)
-        say(f"scenario {sc.name or sc.seed}: {sc.nodes} nodes, {len(sc.faults)} faults, "
-            f"final step {sc.final_step}, root {root}")
-        if _wait(lambda: stepping_at(nodes, sc.nodes, 0) and _step_now(nodes) >= 5, FORM_TIMEOUT_S):
-            t_formed = time.time()
-            say(f"a world of {sc.nodes} at step {_step_now(nodes)}")
-            error = _fault_loop(sc, nodes, target, rng, t_formed, faults, say)
-            codes = _finish(nodes, sc, say)
-        else:
-            error = f"no world of {sc.nodes} within {FORM_TIMEOUT_S:.0f} s"
-            codes = {n.name: n.proc.poll() if n.proc else None for n in nodes}
-        progress = {n.name: progress_records(n) for n in nodes}
-        daemon = {n.name: [e for e in n.daemon_events() if "etcd" in str(e.get("event", ""))]
-                  for n in nodes}
-        etcd = f"{cluster.etcd.binary} ({etcd_version(cluster.etcd.binary)})"
+    try:
+        with local_cluster(root, etcd_members=sc.etcd_members, network=needs_network(sc)) as cluster, \
+                metadata_servers(sc) as metadata:
+            nodes = _start_nodes(cluster, sc, job, run, metadata)
+            target = Target({n.name: n for n in nodes}, cluster.etcd, root / "ckpt", LEASE_TTL_S,
+                            metadata=metadata)
+            say(f"scenario {sc.name or sc.seed}: {sc.nodes} nodes, {len(sc.faults)} faults, "
+                f"final step {sc.final_step}, root {root}")
+            if _wait(lambda: stepping_at(nodes, sc.nodes, 0) and _step_now(nodes) >= 5, FORM_TIMEOUT_S):
+                t_formed = time.time()
+                say(f"a world of {sc.nodes} at step {_step_now(nodes)}")
+                error = _fault_loop(sc, nodes, target, rng, t_formed, faults, say)
+                codes = _finish(nodes, sc, say)
+            else:
+                error = f"no world of {sc.nodes} within {FORM_TIMEOUT_S:.0f} s"
+                codes = {n.name: n.proc.poll() if n.proc else None for n in nodes}
+            progress = {n.name: progress_records(n) for n in nodes}
+            daemon = {n.name: [e for e in n.daemon_events() if "etcd" in str(e.get("event", ""))]
+                      for n in nodes}
+            etcd = f"{cluster.etcd.binary} ({etcd_version(cluster.etcd.binary)})"
+    finally:
+        _RUN_OVER.set()   # the cluster is gone: the heal threads may end
     proctree.reap_children()
     left = [*cluster.leftover, *(describe(p) for p in proctree.descendants()
                                  if _identity(p) not in before)]
@@ -427,13 +440,19 @@ def _sections(sc: Scenario, server: FakeMetadata | None) -> str:
     return out
 
 
+def _supervisor_lines(sc: Scenario) -> str:
+    """The scenario's [supervisor] settings as TOML lines (the section write_config opens)."""
+    return "".join(f"{key} = {json.dumps(value)}\n" for key, value in sc.supervisor.items())
+
+
 def _start_nodes(cluster: Cluster, sc: Scenario, job: str, run: Run,
                  metadata: dict[str, FakeMetadata]) -> list[DaemonNode]:
     # min_nodes N-1: a node away for a fault must not block the others' rendezvous; the
     # runner waits for the first world of N before any fault.
     return [cluster.daemon(name, job, entrypoint=entrypoint(sc, run), every_steps=sc.every_steps,
                            min_nodes=max(1, sc.nodes - 1), max_nodes=sc.nodes,
-                           lease_ttl_s=LEASE_TTL_S, sections=_sections(sc, metadata.get(name)))
+                           lease_ttl_s=LEASE_TTL_S, sections=_sections(sc, metadata.get(name)),
+                           extra=_supervisor_lines(sc))
             for name in sc.node_names()]
 
 

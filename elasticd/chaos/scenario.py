@@ -23,6 +23,11 @@ instead of a moment::
     during = "restart"       # a phase of PHASES: fire once the previous fault reached it
     gap_s = 0.8              # ... and this long after (0-30 s; default 0)
 
+A fault that lasts (a freeze, a cut: its injector says ``lasts``) may say how long
+(``for_s = 40``: longer than the hang bound, say); ``[supervisor]`` settings for every
+daemon go in a table of their own (``[supervisor] hang_timeout_s = 15``), to shorten a
+bound or weaken the system on purpose.
+
 It fires ``gap_s`` after the phase's first log line following the previous fault's
 injection (``inject``: after the injection itself), while that fault is still healing and
 recovering; the faults chained this way recover as one (``draw(..., overlap=True)``
@@ -36,7 +41,7 @@ import random
 import string
 import tomllib
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +50,8 @@ from elasticd.rendezvous.keys import DEFAULT_ROUNDS, ROUNDS
 TARGETS = ("rank0", "other", "any")
 MAX_NODES = 8
 MAX_GAP_S = 30.0
+# The [supervisor] keys the harness writes itself (elasticd.local_cluster.write_config).
+HARNESS_SUPERVISOR = frozenset({"backoff_initial_s", "drain_grace_s"})
 
 # The phases of a recovery an overlapping fault can fire in: name -> the daemon log line
 # (any node's, a substring of its event) that says the phase began. The runner watches for
@@ -74,6 +81,7 @@ class FaultSpec:
     at_s: float | None = None
     during: str | None = None
     gap_s: float | None = None
+    for_s: float | None = None     # how long a fault that lasts lasts (None: its default)
 
     def when(self) -> str:
         if self.during is not None:
@@ -94,6 +102,8 @@ class Scenario:
     etcd_members: int = 1          # 1, or 3 (EmbeddedEtcdCluster) for leader and quorum faults
     name: str = field(default="")
     rounds: str = DEFAULT_ROUNDS   # [rendezvous] rounds of the daemons: keyed | torch
+    # [supervisor] settings of every daemon (validated as the daemon's config would be)
+    supervisor: dict[str, Any] = field(default_factory=dict)
 
     def node_names(self) -> list[str]:
         return list(string.ascii_lowercase[: self.nodes])
@@ -137,10 +147,10 @@ def _fault(raw: Any, index: int, nodes: int, kinds: Sequence[str]) -> FaultSpec:
     where = f"fault #{index + 1}"
     if not isinstance(raw, dict):
         raise ScenarioError(f"{where}: a table with kind, target and at_step or at_s, not {raw!r}")
-    unknown = set(raw) - {"kind", "target", "at_step", "at_s", "during", "gap_s"}
+    unknown = set(raw) - {"kind", "target", "at_step", "at_s", "during", "gap_s", "for_s"}
     if unknown:
         raise ScenarioError(f"{where}: unknown key(s) {sorted(unknown)}; use kind, target, at_step, "
-                            "at_s, during, gap_s")
+                            "at_s, during, gap_s, for_s")
     kind = raw.get("kind")
     if kind not in kinds:
         raise ScenarioError(f"{where}: kind {kind!r} is not one of {', '.join(kinds)}")
@@ -153,8 +163,9 @@ def _fault(raw: Any, index: int, nodes: int, kinds: Sequence[str]) -> FaultSpec:
     if sum(v is not None for v in (at_step, at_s, during)) != 1:
         raise ScenarioError(f"{where}: give exactly one of at_step (a step), at_s (seconds) or "
                             "during (a phase of the previous fault's recovery)")
+    for_s = _duration(raw, where, kind)
     if during is not None:
-        return _overlapping(raw, where, index, kind, target)
+        return replace(_overlapping(raw, where, index, kind, target), for_s=for_s)
     if "gap_s" in raw:
         raise ScenarioError(f"{where}: gap_s goes with during (a phase); at a step or time, "
                             "leave it out")
@@ -162,7 +173,49 @@ def _fault(raw: Any, index: int, nodes: int, kinds: Sequence[str]) -> FaultSpec:
         raise ScenarioError(f"{where}: at_step = {at_step!r}: a step >= 1")
     if at_s is not None and (not isinstance(at_s, (int, float)) or isinstance(at_s, bool) or at_s < 0):
         raise ScenarioError(f"{where}: at_s = {at_s!r}: seconds >= 0")
-    return FaultSpec(kind, target, at_step, None if at_s is None else float(at_s))
+    return FaultSpec(kind, target, at_step, None if at_s is None else float(at_s), for_s=for_s)
+
+
+def _duration(raw: dict[str, Any], where: str, kind: str) -> float | None:
+    """``for_s``: only for a fault that lasts, seconds in 1..600."""
+    if "for_s" not in raw:
+        return None
+    value = raw["for_s"]
+    if not _lasts(kind):
+        raise ScenarioError(f"{where}: {kind} does not last, so for_s has no meaning; leave it "
+                            "out (faults that last: a node-stop, the network faults)")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 1 <= value <= 600:
+        raise ScenarioError(f"{where}: for_s = {value!r}: seconds in 1..600")
+    return float(value)
+
+
+def _lasts(kind: str) -> bool:
+    from elasticd.chaos.faults import INJECTORS
+
+    return bool(INJECTORS[kind].lasts)
+
+
+def _supervisor(raw: Any) -> dict[str, Any]:
+    """``[supervisor]`` settings for every daemon, checked as the daemon checks its config."""
+    from elasticd.config import SupervisorConfig
+    from elasticd.errors import ConfigError
+
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"supervisor = {raw!r}: a table of [supervisor] settings")
+    known = {f.name for f in fields(SupervisorConfig)}
+    fixed = sorted(set(raw) & HARNESS_SUPERVISOR)
+    if fixed:
+        raise ScenarioError(f"supervisor: {fixed} are set by the harness (local_cluster) for every "
+                            "run; leave them out")
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ScenarioError(f"supervisor: unknown key(s) {unknown}; the daemon's [supervisor] "
+                            f"has {', '.join(sorted(known))}")
+    try:
+        SupervisorConfig(**raw)
+    except (ConfigError, TypeError) as exc:
+        raise ScenarioError(f"supervisor: {exc}") from None
+    return dict(raw)
 
 
 def _overlapping(raw: dict[str, Any], where: str, index: int, kind: str, target: str) -> FaultSpec:
@@ -182,7 +235,7 @@ def from_dict(raw: dict[str, Any], kinds: Sequence[str] | None = None, name: str
     """Validate a parsed scenario file; ``ScenarioError`` says what is wrong and where."""
     kinds = kinds or _kinds()
     unknown = set(raw) - {"seed", "nodes", "final_step", "every_steps", "step_sleep",
-                          "etcd_members", "fault", "faults", "name", "rounds"}
+                          "etcd_members", "fault", "faults", "name", "rounds", "supervisor"}
     if unknown:
         raise ScenarioError(f"unknown key(s) {sorted(unknown)}")
     seed = _int(raw, "seed", 0, 0)
@@ -222,7 +275,7 @@ def from_dict(raw: dict[str, Any], kinds: Sequence[str] | None = None, name: str
         raise ScenarioError(f"fault #{i + 1}: {f.kind} at step {f.at_step} is not before "
                             f"final_step {final_step}: it would never fire")
     return Scenario(seed, faults, nodes, final_step, every, float(sleep), members,
-                    str(raw.get("name", name)), rounds)
+                    str(raw.get("name", name)), rounds, _supervisor(raw.get("supervisor", {})))
 
 
 def load(path: Path, kinds: Sequence[str] | None = None) -> Scenario:

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import random
+import signal
+import subprocess
 import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import psutil
 import pytest
 
 from elasticd.chaos.faults import INJECTORS, InjectionError, Injector, Target
@@ -209,3 +212,36 @@ def test_a_bursts_faults_fire_while_the_earlier_ones_heal_and_recover_as_one(mon
                                         "phase_node": None}
     assert first.t_recovered == second.t_recovered == max(first.t_heal, second.t_heal) + 0.1
     assert first.error is None and second.error is None
+    run._RUN_OVER.set()   # the heal threads end
+
+
+class Spawner(Marker):
+    """A heal that starts a process tied to the thread that forks it (as an etcd member's
+    restart is: proctree.with_parent_death_signal)."""
+
+    name = "test-spawner"
+    hold_s = 0.0
+
+    def heal(self, t, victim):
+        from elasticd import proctree
+
+        self.proc = subprocess.Popen(proctree.with_parent_death_signal(["sleep", "60"]))
+        return {"pid": self.proc.pid}
+
+
+def test_what_a_heal_starts_outlives_the_heal_until_the_run_is_over(monkeypatch):
+    from elasticd.chaos import run
+
+    monkeypatch.setitem(INJECTORS, "test-spawner", Spawner)
+    monkeypatch.setattr(run, "wait_stable", lambda nodes, world, since, timeout_s, **kw: since)
+    run._RUN_OVER.clear()
+    a = FakeNode("a", 0)
+    (rec,) = run._burst(0, [FaultSpec("test-spawner", "a", 1)], [a], _target(a), random.Random(1),
+                        lambda s: None)
+    proc = psutil.Process(rec.detail["pid"])
+    try:
+        time.sleep(0.5)
+        assert proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE   # the heal returned
+    finally:
+        run._RUN_OVER.set()
+    assert proc.wait(timeout=10) == -signal.SIGKILL   # gone with its thread, once the run is over

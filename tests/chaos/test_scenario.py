@@ -171,3 +171,28 @@ def test_an_overlapping_draw_pairs_faults_in_phases_their_injectors_go_through()
 
 def test_every_injectors_phases_are_known():
     assert all(cls.phases and set(cls.phases) <= set(PHASES) for cls in INJECTORS.values())
+
+
+def test_a_fault_that_lasts_may_say_how_long_and_the_others_may_not():
+    cut = {"kind": "partition-peers", "during": "reform", "for_s": 25}
+    sc = from_dict({"final_step": 400, "etcd_members": 1,
+                    "fault": [{"kind": "node-stop", "at_step": 5, "for_s": 40}, cut]})
+    assert [f.for_s for f in sc.faults] == [40.0, 25.0]
+    assert INJECTORS["node-stop"](40.0).lasting(8.0) == 40.0 and INJECTORS["node-stop"]().lasting(8.0) == 8.0
+    for fault, message in (({"kind": "drain", "at_step": 5, "for_s": 10}, "drain does not last"),
+                           ({"kind": "node-stop", "at_step": 5, "for_s": 0}, "for_s = 0: seconds in 1..600")):
+        with pytest.raises(ScenarioError, match="fault #1: " + message):
+            from_dict({"fault": [fault]})
+
+
+def test_supervisor_settings_are_checked_as_the_daemon_checks_them():
+    sc = from_dict({"fault": [{"kind": "drain", "at_step": 5}],
+                    "supervisor": {"hang_timeout_s": 15, "broken_round_grace_s": 3600}})
+    assert sc.supervisor == {"hang_timeout_s": 15, "broken_round_grace_s": 3600}
+    assert from_dict(sc.to_dict()) == sc
+    for bad, message in (({"hang_timeout_s": -1}, "supervisor.hang_timeout_s = -1 is not valid"),
+                         ({"colour": 1}, r"unknown key\(s\) \['colour'\]"),
+                         ({"drain_grace_s": 5}, "set by the harness"),
+                         ("fast", "a table of")):
+        with pytest.raises(ScenarioError, match=message):
+            from_dict({"fault": [{"kind": "drain", "at_step": 5}], "supervisor": bad})

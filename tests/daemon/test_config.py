@@ -44,6 +44,7 @@ def test_minimal_config_has_sane_defaults():
     ({"etcd": {"ca_cert": "/nonexistent.pem"}}, "no such file"),
     ({"supervisor": {"backoff_initial_s": 100, "backoff_max_s": 10}}, "supervisor.backoff_initial_s"),
     ({"supervisor": {"start_timeout_s": 0}}, "longer than your workers' start-up"),
+    ({"supervisor": {"broken_round_grace_s": 0}}, "supervisor.broken_round_grace_s = 0"),
     ({"job": {"colour": "red"}}, "[job] has unknown key(s) ['colour']"),
     ({"jobs": {"id": "x"}}, "unknown section(s) ['jobs']"),
     ({"recovery": {"mode": "inplace"}}, "recovery.mode = 'inplace' is not valid: use one of 'in-place'"),
