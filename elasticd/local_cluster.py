@@ -205,9 +205,16 @@ class Node:
         # A restarted node's old progress is history, not its present.
         self.progress_path.unlink(missing_ok=True)
         self.prepare()
+        # A process group of its own, in this session: a harness started in the background
+        # (nohup ... &) sits in an orphaned process group, and the kernel sends SIGHUP and
+        # SIGCONT to every member of an orphaned group with a stopped member whenever one of
+        # them exits; a frozen node there got every daemon reloading, every agent dead of
+        # SIGHUP, and itself continued (seen in a chaos run: node-stop, then all restarted).
+        # The node's own group is not orphaned while this process, its parent, lives.
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([*self.prefix, *self.command()], env=self.environment(), stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         process_group=0)
         return self
 
     def running(self) -> bool:

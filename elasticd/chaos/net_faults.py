@@ -150,6 +150,16 @@ class PartitionPeersReject(NetFault):
                 ["-o", "eth0", "-j", "DROP"], ["-i", "eth0", "-j", "DROP"]]
 
 
+class PartitionPeersOneWay(NetFault):
+    name = "partition-peers-oneway"
+    summary = ("drop what the node sends to its peers (what they send still arrives), etcd "
+               "still reachable both ways; heal after lease + 5 s")
+
+    def rules(self, t: Target, victim: DaemonNode) -> list[list[str]]:
+        etcd = _etcd_host(t)
+        return [["-o", "eth0", "-d", etcd, "-j", "RETURN"], ["-o", "eth0", "-j", "DROP"]]
+
+
 class PartitionOneWay(NetFault):
     name = "partition-oneway"
     summary = "drop every packet the node sends (what is sent to it still arrives); heal after lease + 5 s"
@@ -344,5 +354,6 @@ class Netem(NetFault):
 
 
 NET_INJECTORS: tuple[type[Injector], ...] = (
-    PartitionEtcd, PartitionPeers, PartitionPeersReject, PartitionOneWay, PartitionOneWayIn, Netem)
+    PartitionEtcd, PartitionPeers, PartitionPeersReject, PartitionPeersOneWay, PartitionOneWay,
+    PartitionOneWayIn, Netem)
 INJECTORS.update({cls.name: cls for cls in NET_INJECTORS})

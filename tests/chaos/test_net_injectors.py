@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from elasticd import netlab
 from elasticd.chaos.invariants import FaultMetrics
 from elasticd.chaos.net_faults import NET_INJECTORS
 from elasticd.chaos.run import SETTLE_S, FaultRecord
+from elasticd.chaos.scenario import FaultSpec
 from elasticd.local_cluster import json_lines, record_time
 from tests.chaos.common import run_checked
 from tests.chaos.test_injectors import one_fault
@@ -50,10 +52,11 @@ def expect(kind: str, root: Path, nodes: list[str], fault: FaultRecord, m: Fault
         assert m.recovery_s == 0.0 and m.steps_lost == 0, m
         assert all(daemon_events(root, p, fault, "vanished but it answers") for p in peers)
         assert daemon_events(root, victim, fault, "lease was lost; re-registering")
-    if kind in ("partition-peers", "partition-peers-reject"):
+    if kind in ("partition-peers", "partition-peers-reject", "partition-peers-oneway"):
         # The victim's lease lives (it reaches etcd), so no lease decides: the majority
         # does (elasticd.quorum). Its peers suspect it (a reset at once, a silence after
-        # the lease TTL), evict it and re-form in place; the victim finds itself cut off
+        # the lease TTL; one way: its answers never arrive), evict it and re-form in place;
+        # the victim (which suspects them both, a minority of one) finds itself cut off
         # from the majority, stops its own workers and fences out nobody; nobody counts a
         # crash; after the heal it rejoins.
         assert m.steps_lost == 0, m
@@ -84,6 +87,30 @@ def test_each_network_fault_is_healed_with_every_invariant(kind, tmp_path, job_i
     print(f"{kind}: recovery {m.recovery_s} s, back to a world of 3 {m.back_to_full_s} s, "
           f"{m.steps_lost} steps lost")
     expect(kind, result.root, result.scenario.node_names(), fault, m)
+
+
+# Longer than the hang bound: the cut node's workers, and the majority's while they wait
+# on it, stall for over HANG_S; no healthy node may count that as its crash.
+HANG_S = 10
+LONG_CUT_S = 30.0
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kind", ["partition-peers", "partition-peers-reject", "partition-peers-oneway",
+                                  "partition-oneway"])
+def test_a_cut_longer_than_the_hang_bound_is_decided_by_the_majority(kind, tmp_path, job_id):
+    sc = replace(one_fault(kind, final=700), supervisor={"hang_timeout_s": HANG_S},
+                 faults=(FaultSpec(kind, "other", 40, for_s=LONG_CUT_S),))
+    result, _, metrics = run_checked(sc, tmp_path, job_id)
+    (fault,) = result.faults
+    (m,) = metrics
+    assert fault.detail["cut_s"] == LONG_CUT_S
+    print(f"{kind} for {LONG_CUT_S:g} s (hang bound {HANG_S} s): recovery {m.recovery_s} s, "
+          f"back to a world of 3 {m.back_to_full_s} s, {m.steps_lost} steps lost")
+    expect(kind, result.root, result.scenario.node_names(), fault, m)
+    nodes = result.scenario.node_names()
+    assert not any(daemon_events(result.root, n, fault, "failure 1 of") for n in nodes)
+    assert all(code == 0 for code in result.exit_codes.values()), result.exit_codes
 
 
 def expect_kept(report_dir: Path) -> None:

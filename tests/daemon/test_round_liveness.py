@@ -13,11 +13,13 @@ Real etcd, four real daemons, real torchrun, gloo, float64 (replay oracle).
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 
 import pytest
 
+from elasticd.chaos import liveness
 from elasticd.rendezvous.keys import JobKeys
 from elasticd.rendezvous.rounds import decode_pointer
 from tests.conftest import connect
@@ -65,11 +67,13 @@ def _freeze_a_follower_of_the_next_round(client, keys: JobKeys, nodes: list[Daem
     raise AssertionError(f"round {round_} never had two joins")
 
 
-def test_a_node_frozen_in_a_forming_round_is_left_behind_within_the_bound(
-        nodes, etcd_server, tmp_path, job_id):
-    final = 900
+def _drain_then_freeze_a_member_of_its_round(nodes, etcd_server, tmp_path, job_id, final: int,
+                                             extra: str = ""):
+    """Four daemons at a world of 4; a drains (every agent re-rendezvous) and the second
+    agent to join the next round has its whole node frozen: (leaver, frozen, survivors,
+    the moment of the freeze)."""
     kw = {"entrypoint": entry(final), "every_steps": 10, "min_nodes": 2, "max_nodes": 4,
-          "lease_ttl_s": LEASE_TTL_S}
+          "lease_ttl_s": LEASE_TTL_S, "extra": extra}
     for name in "abcd":
         nodes.append(DaemonNode(name, etcd_server.endpoint, job_id, tmp_path, kw).start())
     wait_for(lambda: stepping_at(nodes, 4, 0) and all(n.progress()["step"] >= 15 for n in nodes),
@@ -84,17 +88,24 @@ def test_a_node_frozen_in_a_forming_round_is_left_behind_within_the_bound(
         frozen = _freeze_a_follower_of_the_next_round(client, keys, nodes[1:], round_ + 1)
     finally:
         client.close()
-    froze_at = time.time()
-    survivors = [n for n in nodes[1:] if n is not frozen]
+    return leaver, frozen, [n for n in nodes[1:] if n is not frozen], time.time()
+
+
+def _steps_after(survivors: list[DaemonNode], t: float, world: int | None = None) -> list[float]:
+    return [r["time"] for n in survivors for r in progress_records(n)
+            if r["event"] == "step" and r["time"] > t and world in (None, r["world_size"])]
+
+
+def test_a_node_frozen_in_a_forming_round_is_left_behind_within_the_bound(
+        nodes, etcd_server, tmp_path, job_id):
+    final = 900
+    leaver, frozen, survivors, froze_at = _drain_then_freeze_a_member_of_its_round(
+        nodes, etcd_server, tmp_path, job_id, final)
     try:
         bound = LEASE_TTL_S + RESTART_BOUND_S
-
-        def steps_of_two() -> list[float]:
-            return [r["time"] for n in survivors for r in progress_records(n)
-                    if r["event"] == "step" and r["world_size"] == 2 and r["time"] > froze_at]
-
-        wait_for(steps_of_two, bound + 30, "the survivors to step without the frozen node", nodes)
-        pause = min(steps_of_two()) - froze_at
+        wait_for(lambda: _steps_after(survivors, froze_at, 2), bound + 30,
+                 "the survivors to step without the frozen node", nodes)
+        pause = min(_steps_after(survivors, froze_at, 2)) - froze_at
         print(f"liveness: the survivors stepped {pause:.1f} s after the freeze (bound {bound} s)")
         assert pause <= bound + 10
     finally:
@@ -109,3 +120,29 @@ def test_a_node_frozen_in_a_forming_round_is_left_behind_within_the_bound(
     print(f"releases: {released}")
     matches_the_replay(by_rank(survivors, True), tmp_path / "ckpt", final)
 
+
+@pytest.mark.chaos   # a deliberately broken system, kept out of the default lane (~2 min)
+def test_the_liveness_invariant_bites_when_the_release_is_weakened_away(
+        nodes, etcd_server, tmp_path, job_id):
+    """The same freeze with the daemons' release from a broken round weakened to an hour
+    ([supervisor] broken_round_grace_s): the survivors' agents wait on the frozen member's
+    rank-assignment keys, nobody steps, and the invariant (elasticd.chaos.liveness, the one
+    the chaos harness and the goodput benchmark check) reports the stall it owes."""
+    leaver, frozen, survivors, froze_at = _drain_then_freeze_a_member_of_its_round(
+        nodes, etcd_server, tmp_path, job_id, 900, extra="broken_round_grace_s = 3600")
+    bound = LEASE_TTL_S + RESTART_BOUND_S
+    try:
+        time.sleep(bound + 25)
+        end = time.time()
+        steps = _steps_after(survivors, froze_at - 5)
+        out = {leaver.name: [(froze_at, math.inf)], frozen.name: [(froze_at, math.inf)]}
+        owed = liveness.violations(steps, out, [n.name for n in nodes], froze_at - 5, end,
+                                   min_nodes=2, bound_s=bound)
+        print(f"weakened: steps after the freeze {len(_steps_after(survivors, froze_at))}, "
+              f"violations {owed}")
+        assert not _steps_after(survivors, froze_at, 2)
+        (v,) = owed
+        assert v.nodes == tuple(sorted(n.name for n in survivors)) and v.length_s >= 20
+    finally:
+        frozen.signal_tree(signal.SIGKILL)
+        frozen.signal_tree(signal.SIGCONT)
