@@ -409,11 +409,13 @@ class CheckpointWriteKill(Injector):
     target_rule = "rank0"
 
     def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
-        worker = first_worker(victim)
+        first_worker(victim)   # a node with no worker now is refused at once
         log = victim.worker_logs()[0]
         if not _wait_for_line(log, b"checkpoint started", timeout_s=60):
             raise InjectionError(f"no checkpoint started on {victim.name} within 60 s")
-        detail = _sigkill(worker) | {"t_fired": time.time()}
+        # The writer as of the line: the worker seen before the wait may have been replaced
+        # meanwhile (an overlapping fault restarted it: "pid ... is gone").
+        detail = _sigkill(first_worker(victim)) | {"t_fired": time.time()}
         # What the kill caught (a write not yet committed), for the report.
         return {**detail, "in_flight": _writes_in_flight(t.ckpt_dir)}
 

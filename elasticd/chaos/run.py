@@ -124,9 +124,11 @@ def _due(spec: FaultSpec, nodes: list[DaemonNode], t_formed: float) -> bool:
 
 
 def resolve_target(spec: FaultSpec, injector: Injector, t: Target, rng: random.Random,
-                   busy: frozenset[str] = frozenset()) -> DaemonNode | None:
-    """The node a fault hits: the scenario's target unless the injector fixes its own;
-    never one of ``busy`` (hit by an earlier fault of the same burst, not yet healed)."""
+                   busy: frozenset[str] = frozenset(), notes: Detail | None = None) -> DaemonNode | None:
+    """The node a fault hits: the scenario's target unless the injector fixes its own.
+    Never one of ``busy`` (hit by an earlier fault of the same burst, not yet healed: two
+    heals would restart it twice): such a target gives way to another running node,
+    drawn, and ``notes`` gets ``retargeted_from``."""
     if injector.target_rule == "cluster":
         return None
     rule = "rank0" if injector.target_rule == "rank0" else spec.target
@@ -143,8 +145,12 @@ def resolve_target(spec: FaultSpec, injector: Injector, t: Target, rng: random.R
         node = t.nodes.get(rule)
         node = node if node is not None and node.running() else None
     if node is not None and node.name in busy:
-        raise InjectionError(f"target {rule!r}: node {node.name} is down by an earlier fault of "
-                             "this burst")
+        if not running:
+            raise InjectionError(f"target {rule!r}: every running node is down by an earlier "
+                                 "fault of this burst")
+        if notes is not None:
+            notes["retargeted_from"] = node.name
+        node = rng.choice(running)
     if node is None:
         raise InjectionError(f"target {rule!r}: no such running node")
     return node
@@ -181,7 +187,7 @@ def _inject(i: int, spec: FaultSpec, cluster_nodes: list[DaemonNode], t: Target,
     rec = FaultRecord(i, spec.kind, spec.when(), detail=dict(overlap))
     injector = INJECTORS[spec.kind](spec.for_s)
     try:
-        victim = resolve_target(spec, injector, t, rng, busy)
+        victim = resolve_target(spec, injector, t, rng, busy, rec.detail)
         rec.target = victim.name if victim else None
         rec.step = _step_now(cluster_nodes)
         old = {_identity(p) for n in t.running() for p in workers_of(n)}

@@ -169,7 +169,7 @@ def test_a_phase_that_never_begins_lets_the_fault_fire_at_the_timeout_marked_uns
         "phase_at"] == round(t0, 3)
 
 
-def test_a_burst_never_hits_a_node_an_earlier_fault_of_it_still_holds_down():
+def test_a_burst_never_hits_a_node_an_earlier_fault_of_it_still_holds_down_it_retargets():
     from elasticd.chaos.run import resolve_target
 
     a, b, c = FakeNode("a", 1), FakeNode("b", 0), FakeNode("c", 2)
@@ -178,11 +178,15 @@ def test_a_burst_never_hits_a_node_an_earlier_fault_of_it_still_holds_down():
     assert all(resolve_target(FaultSpec("node-kill", "any"), INJECTORS["node-kill"](), t, rng, busy)
                is not a for _ in range(30))
     assert resolve_target(FaultSpec("node-kill", "other"), INJECTORS["node-kill"](), t, rng, busy) is c
-    with pytest.raises(InjectionError, match="node a is down by an earlier fault of this burst"):
-        resolve_target(FaultSpec("node-kill", "a"), INJECTORS["node-kill"](), t, rng, busy)
-    with pytest.raises(InjectionError, match="node b is down"):
-        resolve_target(FaultSpec("rank0-node-kill"), INJECTORS["rank0-node-kill"](), t, rng,
-                       frozenset({"b"}))
+    notes: dict = {}
+    assert resolve_target(FaultSpec("node-kill", "a"), INJECTORS["node-kill"](), t, rng, busy,
+                          notes) in (b, c) and notes == {"retargeted_from": "a"}
+    notes = {}
+    assert resolve_target(FaultSpec("rank0-node-kill"), INJECTORS["rank0-node-kill"](), t, rng,
+                          frozenset({"b"}), notes) in (a, c) and notes == {"retargeted_from": "b"}
+    with pytest.raises(InjectionError, match="every running node is down by an earlier fault"):
+        resolve_target(FaultSpec("node-kill", "a"), INJECTORS["node-kill"](), t, rng,
+                       frozenset({"a", "b", "c"}))
 
 
 class Marker(Injector):

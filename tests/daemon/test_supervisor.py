@@ -1048,3 +1048,29 @@ def test_a_group_that_stepped_is_judged_by_the_hang_bound_not_the_start_bound():
     stepped = d(live(now=T + 1, workers=frozenset({21}), step=5), started.memory)
     later = d(live(now=T + POLICY.start_timeout_s + 1, workers=frozenset({21}), step=6), stepped.memory)
     assert Kind.KILL_WORKERS not in later.kinds()
+
+
+# -- a loss while a peer drains (goodput seed 7: a freeze, a drain 2.3 s later) ----------
+
+def test_a_loss_while_a_peer_drains_shrinks_without_the_drainer_too():
+    """The drainer's coordinated stop needs the old world, which lost a member: it would
+    hold the re-form until its drain grace ran out (30 s) and it re-forms with no one."""
+    leaving = PeerView("c", "leaving", ("127.0.0.1", 88), 6, "127.0.0.1:10")
+    out = lost_b(peers={"b": B, "c": leaving})
+    shrink = next(a for a in out.actions if a.kind is Kind.SHRINK)
+    assert shrink["lost"] == ("b", "c") and shrink["peers"] == (B,)   # only b is evicted
+    assert out.memory.in_place.lost == ("b", "c")
+    assert lost_b(peers={"b": B, "c": replace(leaving, state="running")}).memory.in_place.lost == ("b",)
+
+
+def test_a_draining_node_left_out_of_the_next_generation_kills_its_workers_once():
+    draining = replace(RUNNING, phase=Phase.DRAINING, drain_deadline=T + 30)
+    s = live(generation=G, generation_record=REC_WITHOUT_US, node_id="a")
+    out = d(s, draining, INPLACE)
+    assert out.kinds() == [Kind.KILL_WORKERS] and out.phase is Phase.DRAINING
+    assert "agreed without this draining node" in out.reason
+    assert d(replace(s, now=T + 0.5), out.memory, INPLACE).actions == ()   # once
+    # A generation that keeps us, or none newer than our workers', changes nothing.
+    assert d(live(generation=G, generation_record=REC, node_id="a"), draining, INPLACE).actions == ()
+    assert d(live(generation=G1, generation_record=REC_WITHOUT_US, node_id="a"), draining,
+             INPLACE).actions == ()
