@@ -83,9 +83,13 @@ def violations(step_times: Iterable[float], out: Mapping[str, Sequence[tuple[flo
 def _owed(pause: Pause, out: Mapping[str, Sequence[tuple[float, float]]], names: list[str],
           min_nodes: int, bound_s: float) -> Violation | None:
     """The first stretch of ``pause`` more than ``bound_s`` into it while enough nodes were
-    settled (the set changes only at interval edges: check those and the bound)."""
-    edges = sorted({pause.start + bound_s, *(e + bound_s for iv in out.values() for s, e in iv
-                                             if pause.start < e + bound_s < pause.end)})
+    settled (the set changes only at interval edges: check those and the bound). A pause
+    is owed nothing before it has lasted ``bound_s`` itself, however long the nodes had
+    been settled when it began (a drain's restart that starts 1 s after the nodes
+    settled may take its bound like any other)."""
+    first = pause.start + bound_s
+    edges = sorted({first, *(e + bound_s for iv in out.values() for s, e in iv
+                             if first < e + bound_s < pause.end)})
     for t in edges:
         if t >= pause.end:
             break

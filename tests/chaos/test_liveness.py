@@ -52,3 +52,14 @@ def test_a_node_that_has_not_started_yet_is_not_settled():
 def test_a_job_that_never_steps_again_is_owed_to_the_end():
     (v,) = lv.violations(_steps((0, 10)), {}, NODES, 0, 100, 2, 20)
     assert (v.start, v.length_s) == (30.0, 70.0)
+
+
+def test_a_pause_that_begins_as_the_nodes_settle_may_still_take_the_bound():
+    # b out 0-5: a and b settled from 25. A drain's restart pauses the job 24-36 (12 s, under
+    # the 20 s bound): owed nothing (seen in the overlapping matrix: a violation from 1.5 s
+    # into a 12 s pause, since the nodes had settled just then).
+    steps = _steps((0, 24), (36, 60))
+    assert lv.violations(steps, {"b": [(0, 5)]}, NODES, 0, 60, 2, 20) == []
+    late = _steps((0, 24), (50, 60))       # ... but 26 s is owed from 44 (24 + 20) on
+    (v,) = lv.violations(late, {"b": [(0, 5)]}, NODES, 0, 60, 2, 20)
+    assert (v.start, v.length_s) == (44.0, 6.0)
