@@ -305,7 +305,8 @@ def draw(seed: int, kinds: Iterable[str], nodes: int = 3, first_step: int = 60,
          spacing: int = 60, tail: int = 150, overlap: bool = False, **settings: Any) -> Scenario:
     """A scenario from a seed: ``kinds`` in a seeded order, each at a seeded target, one
     every ``spacing`` steps from ``first_step``; the job runs ``FAULT_STEPS`` per fault
-    (or ``spacing``, if larger) and ``tail`` more, unless ``final_step`` is given.
+    (or ``spacing``, if larger) and ``tail`` more, unless ``final_step`` is given (per
+    burst, with ``overlap``).
 
     ``overlap``: the faults come in pairs, the second of each fired in a seeded phase of
     the first one's recovery (one its injector says it goes through) 0-2 s after that
@@ -330,7 +331,9 @@ def draw(seed: int, kinds: Iterable[str], nodes: int = 3, first_step: int = 60,
             del second["at_step"]
             second["during"] = rng.choice(_phases_of(first["kind"]))
             second["gap_s"] = round(rng.uniform(0.0, 2.0), 2)
-    final = first_step + len(kinds) * max(spacing, FAULT_STEPS) + tail
+    # FAULT_STEPS per burst: a pair fires at once and recovers as one.
+    bursts = sum(1 for f in faults if "during" not in f)
+    final = first_step + bursts * max(spacing, FAULT_STEPS) + tail
     return from_dict({"seed": seed, "nodes": nodes, "final_step": final, "faults": faults,
                       **settings}, known, name=f"seed-{seed}{'-overlap' if overlap else ''}")
 

@@ -165,6 +165,7 @@ def test_an_overlapping_draw_pairs_faults_in_phases_their_injectors_go_through()
         else:
             assert f.during is None and f.at_step == plain.faults[i].at_step
     assert sc.faults[0].during is None
+    assert sc.final_step == 60 + 3 * FAULT_STEPS + 150   # 3 bursts of 5 faults
     drawn = {f.during for s in range(40) for f in draw(s, kinds, overlap=True).faults if f.during}
     assert len(drawn) >= 4 and drawn <= set(PHASES)
 
