@@ -118,6 +118,13 @@ def _etcd_host(t: Target) -> str:
     return t.etcd.host
 
 
+def _peers_only(t: Target, *rules: list[str]) -> list[list[str]]:
+    """``rules`` for everything but etcd: what goes to and comes from it passes first."""
+    etcd = _etcd_host(t)
+    return [["-o", "eth0", "-d", etcd, "-j", "RETURN"], ["-i", "eth0", "-s", etcd, "-j", "RETURN"],
+            *rules]
+
+
 class PartitionEtcd(NetFault):
     name = "partition-etcd"
     summary = "cut one node from etcd (both ways), its peers still reachable; heal after lease + 5 s"
@@ -132,9 +139,7 @@ class PartitionPeers(NetFault):
     summary = "cut one node from its peers (both ways), etcd still reachable; heal after lease + 5 s"
 
     def rules(self, t: Target, victim: DaemonNode) -> list[list[str]]:
-        etcd = _etcd_host(t)
-        return [["-o", "eth0", "-d", etcd, "-j", "RETURN"], ["-i", "eth0", "-s", etcd, "-j", "RETURN"],
-                ["-o", "eth0", "-j", "DROP"], ["-i", "eth0", "-j", "DROP"]]
+        return _peers_only(t, ["-o", "eth0", "-j", "DROP"], ["-i", "eth0", "-j", "DROP"])
 
 
 class PartitionPeersReject(NetFault):
@@ -143,11 +148,9 @@ class PartitionPeersReject(NetFault):
                "reachable; heal after lease + 5 s")
 
     def rules(self, t: Target, victim: DaemonNode) -> list[list[str]]:
-        etcd = _etcd_host(t)
         reset = ["-p", "tcp", "-j", "REJECT", "--reject-with", "tcp-reset"]
-        return [["-o", "eth0", "-d", etcd, "-j", "RETURN"], ["-i", "eth0", "-s", etcd, "-j", "RETURN"],
-                ["-o", "eth0", *reset], ["-i", "eth0", *reset],
-                ["-o", "eth0", "-j", "DROP"], ["-i", "eth0", "-j", "DROP"]]
+        return _peers_only(t, ["-o", "eth0", *reset], ["-i", "eth0", *reset],
+                           ["-o", "eth0", "-j", "DROP"], ["-i", "eth0", "-j", "DROP"])
 
 
 class PartitionPeersOneWay(NetFault):
@@ -156,8 +159,7 @@ class PartitionPeersOneWay(NetFault):
                "still reachable both ways; heal after lease + 5 s")
 
     def rules(self, t: Target, victim: DaemonNode) -> list[list[str]]:
-        etcd = _etcd_host(t)
-        return [["-o", "eth0", "-d", etcd, "-j", "RETURN"], ["-o", "eth0", "-j", "DROP"]]
+        return _peers_only(t, ["-o", "eth0", "-j", "DROP"])
 
 
 class PartitionOneWay(NetFault):
