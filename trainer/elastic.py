@@ -30,6 +30,7 @@ a peer died can hang in torch's destructors.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -54,6 +55,7 @@ from trainer.exitcodes import (
 from trainer.fitness import NONE, Fitness, NodeUnfit, PeerUnfit
 from trainer.logs import configure_logging
 from trainer.lr import LRScale, Schedule, start_scale
+from trainer.nonfinite import FirstBad, Suspects, attribute, position, sampler_span, weights_finite
 from trainer.progress import ProgressReporter
 from trainer.recover import InPlace
 from trainer.state import Stateful, TrainState
@@ -140,6 +142,9 @@ class ElasticState:
         self.loss: float | None = None  # the global mean loss of step ``loss_step``
         self.loss_step: int | None = None  # (the last agreed: see dist.Agreement)
         self.divergence = DivergenceCheck(self.ctx.nonfinite_loss_limit)
+        self.first_bad = FirstBad()  # whose loss went non-finite first (trainer.nonfinite)
+        self.suspects = Suspects(f"{self.ctx.progress_file}.nonfinite"
+                                 if self.ctx.progress_file else None)
         self._updates_at_done = 0
         self._last_save = time.monotonic()
         self._closed = False
@@ -284,8 +289,10 @@ class ElasticState:
         over ranks is the step's loss; ``last()``, asked once the step is counted: the run
         ends here (a stop agreed now is a completion)."""
         st = self.state
+        before = position(st.sampler)
         self._advance_sampler(samples)
         st.step += 1
+        self.first_bad.note(st.step, loss_sum, sampler_span(st.sampler, before))
         st.lrs_used = self.lr.applied
         # From here the state is that of the new step on every rank: a failure in a later
         # collective may commit it (see fail()).
@@ -377,6 +384,11 @@ class ElasticState:
 
     def save(self, reason: str, blocking: bool) -> None:
         st = self.state
+        if not weights_finite(st.model):
+            # A NaN (this rank's or, through the gradients, a peer's) reached the weights
+            # before the ranks agreed on it: a resume must load the last good checkpoint.
+            log.error("not saving: the weights are not finite", step=st.step, reason=reason)
+            return
         meta = {"reason": reason, "world_size": st.world_size, "loss": self.loss,
                 "lr": (st.lrs_used or self.lr.unscaled())[0], "run_id": self.ctx.run_id,
                 "restart_count": self.ctx.restart_count}
@@ -436,12 +448,25 @@ class ElasticState:
     def _take(self, agreed: tdist.Agreed | None) -> None:
         if agreed is not None and agreed.loss is not None:
             self.loss, self.loss_step = agreed.loss, agreed.step
+            if math.isfinite(agreed.loss):
+                self.first_bad.forget_through(agreed.step)
+            elif self.divergence.limit:
+                # One node's NaN in the weights is that node's fault, not the job's.
+                self._attribute()
             try:
                 self.divergence.observe(agreed.loss, agreed.step)
             except TrainingDiverged as exc:
                 # Every rank agreed this loss: all stop here, none commits (see fail()).
                 self.report("diverged", reason=str(exc)[:500])
                 raise
+
+    def _attribute(self) -> None:
+        try:
+            attribute(self.ctx.rank - self.ctx.local_rank, self.first_bad, self.suspects,
+                      self.state.model, self.device, tdist.collective, self.ctx.is_local_rank0)
+        except TrainingDiverged as exc:
+            self.report("diverged", reason=str(exc)[:500])
+            raise
 
     def fail(self, exc: BaseException) -> int:
         """The exit code for an exception that ends the worker, after what can be saved.

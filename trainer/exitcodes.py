@@ -7,11 +7,13 @@
 * ``FAILURE_EXIT_CODE`` (1): a peer or collective failed; restart from the newest
   checkpoint (rank 0 tries to commit the last completed step on the way out).
 * ``DIVERGED_EXIT_CODE`` (65, EX_DATAERR): the agreed loss was non-finite
-  ``nonfinite_loss_limit`` times in a row; nothing of the diverged state is committed
+  ``nonfinite_loss_limit`` times in a row on every node at once (or on samples that
+  already made another node's loss non-finite); nothing of the diverged state is committed
   and the daemon marks the node failed instead of restarting (a restart from the last
   checkpoint would diverge again).
 * ``UNFIT_EXIT_CODE`` (78, EX_CONFIG): this node's workers cannot resume the job (its
-  checkpoint directory lacks the job's newest commit: ``trainer.fitness``); the daemon
+  checkpoint directory lacks the job's newest commit: ``trainer.fitness``; or its loss
+  went non-finite a step before every other node's: ``trainer.nonfinite``); the daemon
   leaves the job instead of restarting (the other nodes go on without it).
 * ``ORPHAN_EXIT_CODE`` (70): the orphan watchdog ended a worker whose torchrun agent
   or daemon died.

@@ -151,3 +151,17 @@ def wait_gone(procs: list[psutil.Process], timeout_s: float) -> float:
     alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"still alive after {timeout_s} s: {[p.pid for p in alive]}"
     return time.monotonic() - start
+
+
+def run_members(member: str, argvs: list[list[str]], timeout_s: float = 60) -> list[dict]:
+    """One ``python member *argv`` per rank (a gloo group of them, ``tests/workers``); each
+    must exit 0; the JSON object each printed last, by rank."""
+    procs = [subprocess.Popen([sys.executable, member, *argv], stdout=subprocess.PIPE, text=True)
+             for argv in argvs]
+    try:
+        outs = [p.communicate(timeout=timeout_s)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0] * len(argvs), outs
+    return [json.loads(o.strip().splitlines()[-1]) for o in outs]

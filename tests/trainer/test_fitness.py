@@ -6,10 +6,7 @@ filesystem's attribute cache) is waited for."""
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,6 +15,7 @@ import torch
 
 from checkpointing import CheckpointManager
 from elasticd.embedded_etcd import free_port
+from tests.trainer.launch import run_members
 from trainer import fitness
 
 MEMBER = str(Path(__file__).resolve().parents[1] / "workers" / "fitness_member.py")
@@ -34,17 +32,9 @@ def _run(dirs: list[Path], fail_load: int | None = None) -> list[dict]:
     """One member per directory (ranks 0..n-1, one node each); their outcomes by rank;
     rank ``fail_load``'s load of the agreed step fails."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, MEMBER, str(r), str(len(dirs)), str(port), str(r),
-                               str(d), "fail-load" if r == fail_load else "-"],
-                              stdout=subprocess.PIPE, text=True)
-             for r, d in enumerate(dirs)]
-    try:
-        outs = [p.communicate(timeout=60)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0] * len(dirs), outs
-    return [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    return run_members(MEMBER, [[str(r), str(len(dirs)), str(port), str(r), str(d),
+                                 "fail-load" if r == fail_load else "-"]
+                                for r, d in enumerate(dirs)])
 
 
 def test_a_node_without_the_newest_checkpoint_is_charged_and_its_peers_are_told(tmp_path):
