@@ -138,6 +138,12 @@ class ElasticContext(WorkerSettings):
     def is_local_rank0(self) -> bool:
         return self.local_rank == 0
 
+    @property
+    def node_first_rank(self) -> int:
+        """This node's first rank: torchrun gives each agent a contiguous range, so it
+        names the node in the workers' collective judgements (``trainer.fitness``)."""
+        return self.rank - self.local_rank
+
 
 def _parse(env: Mapping[str, str], name: str, kind: Callable[[str], Any], default: Any = None):
     raw = env.get(name)

@@ -214,7 +214,7 @@ class ElasticState:
 
         First every node must see the job's newest checkpoint (``trainer.fitness``: one
         that cannot is charged with it, ``NodeUnfit``; the others exit ``PeerUnfit``)."""
-        fitness = Fitness(self.ctx.rank - self.ctx.local_rank, self.device,
+        fitness = Fitness(self.ctx.node_first_rank, self.device,
                           self.ctx.checkpoint_dir, self._newest_seen, tdist.collective)
         newest = fitness.agree_newest()
         # Rank 0 picks the newest checkpoint that verifies (falling back past damaged
@@ -448,25 +448,19 @@ class ElasticState:
     def _take(self, agreed: tdist.Agreed | None) -> None:
         if agreed is not None and agreed.loss is not None:
             self.loss, self.loss_step = agreed.loss, agreed.step
-            if math.isfinite(agreed.loss):
-                self.first_bad.forget_through(agreed.step)
-            elif self.divergence.limit:
-                # One node's NaN in the weights is that node's fault, not the job's.
-                self._attribute()
             try:
+                if math.isfinite(agreed.loss):
+                    self.first_bad.forget_through(agreed.step)
+                elif self.divergence.limit:
+                    # One node's NaN in the weights is that node's fault, not the job's.
+                    attribute(self.ctx.node_first_rank, self.first_bad, self.suspects,
+                              self.state.model, self.device, tdist.collective,
+                              self.ctx.is_local_rank0)
                 self.divergence.observe(agreed.loss, agreed.step)
             except TrainingDiverged as exc:
                 # Every rank agreed this loss: all stop here, none commits (see fail()).
                 self.report("diverged", reason=str(exc)[:500])
                 raise
-
-    def _attribute(self) -> None:
-        try:
-            attribute(self.ctx.rank - self.ctx.local_rank, self.first_bad, self.suspects,
-                      self.state.model, self.device, tdist.collective, self.ctx.is_local_rank0)
-        except TrainingDiverged as exc:
-            self.report("diverged", reason=str(exc)[:500])
-            raise
 
     def fail(self, exc: BaseException) -> int:
         """The exit code for an exception that ends the worker, after what can be saved.
