@@ -57,14 +57,16 @@ FAST_RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attem
 def write_config(path: Path, *, job: str, node: str, endpoint: str, run_dir: Path, ckpt_dir: Path,
                  min_nodes: int = 1, max_nodes: int = 3, entrypoint: list[str] | None = None,
                  lease_ttl_s: int = 5, every_steps: int = 20, extra: str = "",
-                 sections: str = "", recovery: str | None = None, addr: str = "127.0.0.1") -> Path:
+                 sections: str = "", recovery: str | None = None, addr: str = "127.0.0.1",
+                 warm_start: bool = True) -> Path:
     """A node's TOML config; ``extra`` lines go into [supervisor], ``sections`` at the end.
 
     ``endpoint``: one etcd endpoint, or several comma-separated (every member of a cluster).
 
     ``recovery``: ``[recovery] mode`` ("in-place" | "restart"); None leaves the config's
     default (in-place) and the section to ``sections``. ``addr``: ``node.addr``, the
-    address the node binds and advertises.
+    address the node binds and advertises. ``warm_start``: ``[job] warm_start`` (False: every
+    worker of the node starts cold).
     """
     entry = entrypoint or [MLP, *TRAIN_ARGS]
     if recovery is not None:
@@ -76,6 +78,7 @@ min_nodes = {min_nodes}
 max_nodes = {max_nodes}
 nproc_per_node = 1
 entrypoint = {json.dumps(entry)}
+warm_start = {json.dumps(warm_start)}
 
 [etcd]
 endpoints = {json.dumps(endpoint.split(","))}

@@ -9,6 +9,8 @@ oracle of the tests) builds the same dataset without sharing files.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -38,7 +40,9 @@ def per_sample_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) 
     return nn.functional.mse_loss(model(x), y, reduction="none").squeeze(1)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, on_model: Callable[[nn.Module], None] | None = None) -> int:
+    """Train from the command line ``argv``; ``on_model`` is handed the module once it is
+    built (seeded), for a caller that reads the weights this process ends with."""
     p = common.parser(__doc__.splitlines()[0], batch_size=16, lr=0.05)
     p.add_argument("--samples", type=int, default=4096)
     p.add_argument("--data-seed", type=int, default=1234)
@@ -47,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = common.DTYPES[args.dtype]
     x, y = make_data(args.samples, args.data_seed, dtype)
     model = make_model(dtype)
+    if on_model is not None:
+        on_model(model)
     return common.train(
         args, model, make_optimizer(model, args.lr, args.momentum), len(x),
         batch_fn=lambda idx: (x[idx], y[idx]), loss_fn=per_sample_loss,
