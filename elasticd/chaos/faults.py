@@ -412,10 +412,17 @@ class CheckpointWriteKill(Injector):
         # No worker now is no refusal: one restarting (an overlapping fault killed it) logs
         # the line once it writes again.
         log = victim.worker_logs()[0]
-        if not _wait_for_line(log, b"checkpoint started", timeout_s=60):
-            raise InjectionError(f"no checkpoint started on {victim.name} within 60 s")
-        # The writer as of the line: the worker seen before the wait may have been replaced
-        # meanwhile (an overlapping fault restarted it: "pid ... is gone").
+        deadline = time.monotonic() + 60
+        while True:
+            if not _wait_for_line(log, b"checkpoint started", deadline - time.monotonic()):
+                raise InjectionError(f"no checkpoint started on {victim.name} within 60 s "
+                                     "by a worker still alive")
+            # The writer as of the line: the worker seen before the wait may have been
+            # replaced meanwhile (an overlapping fault restarted it: "pid ... is gone"), and
+            # the line's own writer may be gone (seed 41's overlap run: a worker-kill one
+            # step before): then the next write is the one to catch.
+            if workers_of(victim):
+                break
         detail = _sigkill(first_worker(victim)) | {"t_fired": time.time()}
         # What the kill caught (a write not yet committed), for the report.
         return {**detail, "in_flight": _writes_in_flight(t.ckpt_dir)}

@@ -86,6 +86,19 @@ def test_a_fault_the_job_never_noticed_costs_nothing_and_no_steps_at_all_is_none
     assert inv.recovery_s(records, records[-1]["time"] + 1, float("inf")) is None
 
 
+def test_an_interruption_that_begins_long_after_the_fault_healed_is_not_its_recovery(tmp_path):
+    records = _records(resume_at=(45, 40))        # a 3 s stop after step 45 (t = 4.4 s)
+    t_fault = records[5]["time"]                  # a fault at step 6 that the job never noticed
+    assert inv.recovery_s(records, t_fault, float("inf"), onset_by=t_fault + 2) == 0.0
+    assert inv.recovery_s(records, t_fault, float("inf")) == pytest.approx(7.0, abs=0.01)
+    fault = _fault(0, "etcd-quorum-loss", t_fault)   # healed 5 s later: the stop starts 3.9 s on
+    (metrics,) = inv.fault_metrics(_result(tmp_path, records, [fault]))
+    assert metrics.recovery_s == pytest.approx(7.0, abs=0.01)   # within ONSET_S of the heal
+    later = _records(final=400, resume_at=(350, 345))   # the stop now starts 34.4 s after
+    (metrics,) = inv.fault_metrics(_result(tmp_path, later, [_fault(0, "etcd-quorum-loss", t_fault)]))
+    assert metrics.recovery_s == 0.0
+
+
 def test_the_recovery_check_allows_no_lost_step_on_a_drain(tmp_path):
     records = _records(resume_at=(45, 40))
     t = records[44]["time"] + 0.05
