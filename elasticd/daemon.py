@@ -1,10 +1,12 @@
 """The node daemon's loop: observe, decide, act, log one sentence.
 
-Each cycle (every ``TICK_S``):
+A cycle, then ``TICK_S`` of sleep (the period is ``TICK_S`` plus the cycle's own time):
 
-1. **observe** (reads only): membership news, probe news, the agent and its
-   workers, the progress file, the job's keys in etcd, the background checkpoint
-   scan, signals; into one immutable ``supervisor.Snapshot``;
+1. **observe**: membership news, probe news, the agent and its workers, the
+   progress file, the job's keys in etcd, the background checkpoint scan, signals;
+   into one immutable ``supervisor.Snapshot``. It decides nothing but is not
+   read-only: a dirty node record is republished (``Membership.poll``), exited
+   orphans are reaped, a checkpoint-like progress record wakes the scan thread;
 2. **decide**: ``supervisor.decide(snapshot, memory, policy)``, pure, returns the
    next memory, the actions and one sentence;
 3. **act**: each action through ``ACTIONS``, the table from ``Kind`` to its
