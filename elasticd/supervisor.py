@@ -8,11 +8,13 @@ to execute and one sentence saying why. Nothing here does I/O or reads a clock,
 so every rule, timers included, is unit-tested without processes or network
 (``tests/daemon/test_supervisor.py``).
 
-A cycle first does the bookkeeping that every phase needs (progress and the
-crash counter, worker restarts and their cause, peer news: vanished records,
-confirmations, this node's suspicions and the majority's verdicts (``quorum``),
-eviction outcomes, kills due), then applies
-the first matching phase rule. Phases and their edges::
+A cycle first does the bookkeeping that every phase needs (``_BOOKKEEPING``, in
+order: signals, an in-place re-form under way, progress and the crash counter, worker
+restarts and their cause, peer news (vanished records, confirmations), this node's
+suspicions and the majority's verdicts (``quorum``), the shrink's and the eviction's
+outcomes, kills due, generation news, the world to publish, the checkpoint hint, the
+periodic journal entry), then applies the first matching phase rule (``_RULES``).
+Phases and their edges::
 
     IDLE ──start──▶ RUNNING ──exit 0──▶ COMPLETED
       ▲                │ └──exit ≠ 0──▶ BACKOFF ──delay over──▶ (start) RUNNING
