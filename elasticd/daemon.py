@@ -11,7 +11,8 @@ A cycle, then ``TICK_S`` of sleep (the period is ``TICK_S`` plus the cycle's own
    next memory, the actions and one sentence;
 3. **act**: each action through ``ACTIONS``, the table from ``Kind`` to its
    executor (checked complete at start);
-4. **log** the sentence (tests assert on it), and beat the watchdog gate.
+4. **log** the sentence, if there is one (a quiet cycle logs nothing; tests assert
+   on the sentences), and beat the watchdog gate.
 
 The whole cycle runs under one etcd deadline (``CYCLE_DEADLINE_S``): every etcd
 call made from the loop is cut to the time left and fails fast after it, so an
@@ -82,7 +83,7 @@ from elasticd.warmstart import WarmHost
 log = structlog.get_logger("elasticd.daemon")
 
 TICK_S = 0.1
-# The etcd budget of one cycle. A cycle that keeps within it beats the watchdog gate.
+# The etcd budget of one cycle. A cycle that took at most twice this beats the watchdog gate.
 CYCLE_DEADLINE_S = 1.5
 # Budget of each rendezvous edit (eviction, leave, reopen) within the cycle's deadline.
 RDZV_EDIT_S = 1.0
@@ -311,7 +312,7 @@ class Daemon:
             self.log.info(decision.reason, actions=[a.kind.value for a in decision.actions],
                           phase=phase.value, round=self.jobs.view.round,
                           world_size=self.progress.progress.world_size, step=snapshot.step)
-        if decision.reason or self.clock() - self._status_at >= 1.0:  # STATUS= at most 1/s
+        if decision.reason or self.clock() - self._status_at >= 1.0:  # with a sentence, else 1/s
             self._status_at = self.clock()
             self.notifier.status(self._status_line())
 
