@@ -18,7 +18,8 @@ Phases and their edges::
 
     IDLE ──start──▶ RUNNING ──exit 0──▶ COMPLETED
       ▲                │ └──exit ≠ 0──▶ BACKOFF ──delay over──▶ (start) RUNNING
-      │                │                   └──crash loop──▶ FAILED
+      │                ├──crash loop──▶ FAILED (the agent's exit or the worker restart that
+      │                │                 is the crash_loop_failures-th crash in the window)
       │                ├──dead peer──▶ RUNNING (evict it; kill the old world's workers, or
       │                │                 in-place mode: agree the next generation, the
       │                │                 workers re-form; a re-form that fails or takes
@@ -33,6 +34,9 @@ Phases and their edges::
     any non-final ──drain──▶ DRAINING ──agent gone──▶ STOPPED
     any non-final ──job completed elsewhere, agent gone──▶ COMPLETED
     any non-final ──second stop signal──▶ STOPPED (hard)
+
+FAILED is entered from RUNNING only (``_agent_exited``, ``_worker_crash_loop``,
+``_diverged``, ``_unfit``): no rule fails a node in BACKOFF.
 """
 
 from __future__ import annotations
