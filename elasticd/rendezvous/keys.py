@@ -11,12 +11,15 @@
 ``/elasticd/<job>/rdzv/alive/<agent>``  keyed rounds: an agent's liveness, on its lease
 ``/elasticd/<job>/rdzv/closed``         keyed rounds: the job's rendezvous is closed
 ``/elasticd/<job>/rdzv/recovery/<round>/<agent>``  plain torchrun with recovery=in-place: an
-                                        agent's recovery companion (probe, store, world)
+                                        agent's recovery companion (probe, store, world, done)
 ``/elasticd/<job>/checkpoint/latest``   newest committed checkpoint (hint)
 ``/elasticd/<job>/events/<ts>-<node>``  lifecycle journal
 ``/elasticd/<job>/drain/<node-id>``     a drain request from ``elasticd drain``
 ``/elasticd/<job>/doctor/<node-id>``    ``elasticd doctor``'s record (checkpoint dir id, clock)
-``/elasticd/<job>/state``               running | completed | failed
+``/elasticd/<job>/state``               ``{"state": "completed", "node", "time"}`` once the script
+                                        finished (``Daemon._mark_completed``, the one writer);
+                                        absent while the job runs (``elasticd status``: running).
+                                        A failed node says so in its own record, not here
 ``/elasticd/<job>/generation``          the agreed in-place generation (elasticd.generation)
 """
 
