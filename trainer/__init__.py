@@ -5,8 +5,13 @@ else gloo) with short timeouts, LR rescaling to the world size, an exactly-once
 resumable sampler, coordinated stop, checkpoint cadence and resume. See
 docs/trainer.md.
 
-Names are imported lazily: the daemon reads the exit codes without paying for
-``import torch``.
+Exit codes (``trainer.exitcodes``, docs/trainer.md "Exit codes"): 0 complete, 75
+stopped, 1 failed, 70 orphaned, 65 diverged, 78 unfit; the first four are re-exported
+here, ``DIVERGED_EXIT_CODE`` and ``UNFIT_EXIT_CODE`` are in ``trainer.exitcodes``.
+
+Names are imported lazily: ``import trainer`` and ``trainer.exitcodes`` do not import
+torch; each other name imports its module (and torch) on first use. The daemon imports
+none of this (it reads its workers' progress file and its agent's exit code).
 """
 
 from __future__ import annotations

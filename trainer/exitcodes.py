@@ -1,4 +1,8 @@
-"""Worker exit codes: the contract with the daemon (torch-free, so the daemon can import it).
+"""Worker exit codes, torch-free (``import trainer`` stays cheap).
+
+The daemon neither imports this module nor sees the codes (they go to torchrun's agent):
+it reads the event each worker writes to its progress file before it exits, and the
+agent's own exit code (docs/trainer.md, "Exit codes").
 
 * ``COMPLETE_EXIT_CODE`` (0): training complete (max steps / epochs reached, final
   checkpoint committed); the daemon records the job as completed.

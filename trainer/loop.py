@@ -168,7 +168,8 @@ class ElasticTrainer:
     # -- lifecycle -----------------------------------------------------------------------
 
     def run(self) -> int:
-        """Train until complete (returns 0), stopped (STOP_EXIT_CODE) or failed (1)."""
+        """Train until complete (returns 0), stopped (STOP_EXIT_CODE, 75), failed (1),
+        diverged (DIVERGED_EXIT_CODE, 65) or unfit to resume (UNFIT_EXIT_CODE, 78)."""
         self.es.supervise()
         code = FAILURE_EXIT_CODE
         try:
