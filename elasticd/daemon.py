@@ -597,7 +597,10 @@ def config_diff(old: Config, new: Config) -> tuple[dict[str, list], dict[str, li
 
 
 def _devices() -> list[str]:
-    """GPU names if torch sees CUDA here; never imports torch just to find out."""
+    """GPU names if torch sees CUDA here. The daemon has imported torch by now
+    (``observer`` imports torch's rendezvous through ``rendezvous.state_ops`` and
+    ``rounds``; ``Daemon.run`` checks torch's APIs before it connects), so this
+    costs no import; the guard keeps the function from ever being the one that imports it."""
     if "torch" not in __import__("sys").modules:
         return []
     import torch

@@ -13,8 +13,10 @@ Adding a setting is one line in ``WorkerSettings``: its variable name is
 ``ELASTICD_`` + the upper-cased field name, its flag ``--`` + the field name with
 dashes, and its parser, check and help text sit in its ``setting(...)`` call.
 
-This module must stay importable without torch (the daemon never imports torch
-for it) and without ``trainer``; a test checks that in a fresh interpreter.
+This module must stay importable without torch and without ``trainer`` (a test checks
+that in a fresh interpreter): ``elasticd.config`` imports it, and loading a config costs
+no torch import. The daemon process does import torch (its rendezvous modules, the
+recovery store), so this is about the config and the workers' side, not the daemon.
 It also defines the etcd credential hand-over to the agent (stdin, never the
 environment: torchrun's workers inherit the agent's environment).
 """
