@@ -15,8 +15,8 @@ dashes, and its parser, check and help text sit in its ``setting(...)`` call.
 
 This module must stay importable without torch and without ``trainer`` (a test checks
 that in a fresh interpreter): ``elasticd.config`` imports it, and loading a config costs
-no torch import. The daemon process does import torch (its rendezvous modules, the
-recovery store), so this is about the config and the workers' side, not the daemon.
+no torch import (``elasticd drain``, ``timeline``). The daemon process itself does
+import torch (its rendezvous modules, the recovery store).
 It also defines the etcd credential hand-over to the agent (stdin, never the
 environment: torchrun's workers inherit the agent's environment).
 """
