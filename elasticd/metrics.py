@@ -15,7 +15,11 @@ class Metrics:
         self.world_size = Gauge("elasticd_world_size", "Workers in the current world", registry=r)
         self.step = Gauge("elasticd_step", "Last completed training step", registry=r)
         self.peers = Gauge("elasticd_peers", "Other nodes registered in etcd", registry=r)
-        self.etcd_up = Gauge("elasticd_etcd_up", "1 if etcd answered the last membership read",
+        # Set each cycle from the JobReader's view (daemon._log): membership has its own
+        # outage state, this gauge is the loop's once-a-second read of the job's keys.
+        self.etcd_up = Gauge("elasticd_etcd_up", "1 if etcd answered the daemon's last "
+                             "once-a-second read of the job's keys (/state, the drain key, "
+                             "the rendezvous round, /generation); 0 while it fails",
                              registry=r)
         self.checkpoint_step = Gauge("elasticd_checkpoint_step", "Newest committed checkpoint step",
                                      registry=r)
