@@ -49,15 +49,19 @@ def entrypoint(final: int) -> list[str]:
             "--lr-rule=linear", "--lr-warmup-steps=2", "--lr-base-world-size=3"]
 
 
-def one_run(index: int, final: int, root: Path, cold: str) -> dict[str, Any]:
-    """One fault-free job of three daemons to step ``final``; what it ended with."""
+def one_run(index: int, final: int, root: Path, cold: str, stagger_s: float = 0.0) -> dict[str, Any]:
+    """One fault-free job of three daemons to step ``final``; what it ended with. With
+    ``stagger_s`` the nodes start that far apart: the first round forms with fewer than
+    three and the job restarts into the bigger world (the start-up path of finding 7)."""
     alike = root / "alike"
     alike.mkdir(parents=True)
     t0 = time.monotonic()
     with local_cluster(root / "cluster") as cluster:
-        nodes = [cluster.daemon(n, f"alike-{index}", env={"ALIKE_DIR": str(alike)},
-                                entrypoint=entrypoint(final), warm_start=n not in cold)
-                 for n in "abc"]
+        nodes = []
+        for i, n in enumerate("abc"):
+            time.sleep(stagger_s if i else 0.0)
+            nodes.append(cluster.daemon(n, f"alike-{index}", env={"ALIKE_DIR": str(alike)},
+                                        entrypoint=entrypoint(final), warm_start=n not in cold))
         wait_for(lambda: all(n.proc.poll() is not None for n in nodes), 300,
                  "every daemon to exit once the job completed", nodes)
         codes = [n.proc.returncode for n in nodes]
@@ -156,13 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--final", type=int, default=150, help="steps per run")
     p.add_argument("--cold", default="b", help="nodes (of a, b, c) whose workers start cold")
+    p.add_argument("--stagger-s", type=float, default=0.0,
+                   help="start the nodes this far apart (a first round of fewer than three)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--name", default="alike")
     args = p.parse_args(argv)
     runs = []
     for i in range(args.runs):
         with TemporaryDirectory(prefix=f"alike-{i}-") as tmp:
-            runs.append(one_run(i, args.final, Path(tmp), args.cold))
+            runs.append(one_run(i, args.final, Path(tmp), args.cold, args.stagger_s))
         r = runs[-1]
         print(f"run {i}: worlds {r['worlds']} rel {r['rel_diff']} digests "
               f"{sorted({w['digest'][:8] for w in r['workers']})} codes {r['exit_codes']}", flush=True)
