@@ -25,6 +25,7 @@ import os
 import signal
 import time
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -34,6 +35,7 @@ import psutil
 from checkpointing import layout
 from checkpointing.errors import CorruptCheckpointError
 from checkpointing.manifest import Manifest
+from elasticd import proctree
 from elasticd.embedded_etcd import EmbeddedEtcd, EmbeddedEtcdCluster
 from elasticd.fake_metadata import FakeMetadata
 from elasticd.local_cluster import DaemonNode
@@ -99,6 +101,27 @@ def first_worker(node: DaemonNode) -> psutil.Process:
     if not workers:
         raise InjectionError(f"node {node.name} has no live worker")
     return workers[0]
+
+
+# How long a fault that kills a worker waits for one to exist: an overlapping fault may
+# fire while the node's workers are between two incarnations (seed 43's overlap run: a
+# worker-kill right after a preemption found none, and was not injected at all).
+WORKER_WAIT_S = 60.0
+
+
+def await_workers(find: Callable[[], list], what: str, timeout_s: float = WORKER_WAIT_S) -> list:
+    """What ``find()`` returns once it is not empty (polled every 50 ms; the caller kills
+    one at once and records that moment as ``t_fired``); ``InjectionError`` saying
+    ``what`` after ``timeout_s``."""
+    found: list = []
+
+    def some() -> bool:
+        found[:] = find()
+        return bool(found)
+
+    if not proctree.wait_for(some, timeout_s, 0.05):
+        raise InjectionError(f"{what} within {timeout_s:.0f} s")
+    return found
 
 
 def _alive(proc: psutil.Process) -> bool:
@@ -171,7 +194,8 @@ class WorkerKill(Injector):
     summary = "SIGKILL one training worker of the node"
 
     def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
-        return _sigkill(first_worker(victim))
+        worker = await_workers(lambda: workers_of(victim), f"node {victim.name} had no live worker")[0]
+        return _sigkill(worker) | {"t_fired": time.time()}
 
 
 class OomKill(Injector):
@@ -181,11 +205,10 @@ class OomKill(Injector):
 
     def inject(self, t: Target, victim: DaemonNode | None) -> Detail:
         # "node" in the detail: the node it hit, for the runner's recovered check.
-        found = [(_rss(w), n.name, w) for n in t.running() for w in workers_of(n)]
-        if not found:
-            raise InjectionError("no live worker in the cluster")
+        found = await_workers(lambda: [(_rss(w), n.name, w) for n in t.running() for w in workers_of(n)],
+                              "the cluster had no live worker")
         rss, node, proc = max(found, key=lambda f: f[0])
-        return {**_sigkill(proc), "node": node, "rss_bytes": rss}
+        return {**_sigkill(proc), "node": node, "rss_bytes": rss, "t_fired": time.time()}
 
 
 class AgentKill(Injector):

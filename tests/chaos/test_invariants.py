@@ -358,3 +358,39 @@ def test_liveness_owes_nothing_while_etcd_is_down(tmp_path):
     records = _stalled(_records(), 30, 60.0)
     outage = FaultRecord(1, "etcd-quorum-loss", "step 30", None, 30, T0 + 3.0, T0 + 50.0, None)
     assert inv.check_liveness(_result(tmp_path, records, [outage]), lease_ttl_s=5).passed
+
+
+# -- overlapping faults: each judged over what it overlaps -------------------------------------
+
+def test_an_etcd_outage_overlapped_by_another_fault_before_its_heal_still_ends(tmp_path):
+    """Seed 43's overlap run: a worker-kill fired 2.4 s into an etcd restart, before its
+    heal; the outage ended after the heal, but the window stopped at the worker-kill and
+    every daemon's outage read as endless. Weakened (never back) it still fails."""
+    records = _records(400)
+    t = records[10]["time"]
+    restart = FaultRecord(0, "etcd-restart", "step 10", None, 10, t, t + 3, t + 8, {})
+    kill = FaultRecord(1, "worker-kill", "step 30", "b", 30, t + 2.4, t + 2.4, t + 8,
+                       {"overlap": {"phase": "inject"}})
+    result = _result(tmp_path, records, [restart, kill], final=400)
+    result.daemon_events = {"a": _etcd_log((DOWN, t + 0.2), (UP, t + 4.0))}
+    assert inv.check_etcd_outages(result).passed, inv.check_etcd_outages(result)
+    assert inv.fault_metrics(result)[0].etcd_outage_s == pytest.approx(4.0, abs=0.01)
+    result.daemon_events = {"a": _etcd_log((DOWN, t + 0.2))}
+    check = inv.check_etcd_outages(result)
+    assert not check.passed and "a's etcd outage never ended" in check.detail
+
+
+@pytest.mark.parametrize(("overlaps", "passes"), [(True, True), (False, False)])
+def test_a_fault_fired_inside_anothers_recovery_may_cost_what_the_first_may(tmp_path, overlaps, passes):
+    """Seed 43: a checkpoint corruption killed a worker (a rollback of 20 steps is its
+    right) and an etcd-leader-kill fired 0.4 s later, inside its recovery; the rollback
+    landed in the leader kill's window. Overlapping, the burst's limit holds; the same
+    loss after an etcd fault that overlaps nothing still fails."""
+    records = _records(resume_at=(45, 40))
+    t = records[44]["time"]
+    corrupt = _fault(0, "checkpoint-corrupt", t - 0.4)
+    leader = _fault(1, "etcd-leader-kill", t + 0.05, **({"overlap": {"phase": "inject"}} if overlaps else {}))
+    result = _result(tmp_path, records, [corrupt, leader])
+    assert inv.loss_limits(result) == {0: 40, 1: 40 if overlaps else 0}
+    check = inv.check_recovery(result, inv.fault_metrics(result))
+    assert check.passed is passes, check
