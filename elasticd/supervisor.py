@@ -923,8 +923,13 @@ def _job_completed(snap: Snapshot, mem: Memory, policy: Policy):
 
 
 def _reopen(snap: Snapshot, mem: Memory, policy: Policy):
-    """torch closes the rendezvous when an agent gives up; an unfinished job must go on."""
-    if not snap.rdzv_closed or snap.job_state == "completed" or snap.now < mem.reopen_at:
+    """torch closes the rendezvous when an agent gives up; an unfinished job must go on.
+
+    An agent also closes it on success (its handler's shutdown): once our own workers
+    report the job completed, a closed rendezvous is the end, not a fault (reopening it
+    there warned on every normal completion, the daemons' /state not yet written)."""
+    if (not snap.rdzv_closed or snap.job_state == "completed" or snap.progress_event == "completed"
+            or snap.now < mem.reopen_at):
         return None
     return (replace(mem, reopen_at=snap.now + 1.0), [act(Kind.REOPEN_RENDEZVOUS)],
             "the rendezvous is closed but the job is not done; reopening it")

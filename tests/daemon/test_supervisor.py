@@ -510,6 +510,13 @@ def test_a_closed_rendezvous_of_an_unfinished_job_is_reopened_at_most_once_a_sec
     assert d(live(now=T + 1.0, rdzv_closed=True), out.memory).kinds() == [Kind.REOPEN_RENDEZVOUS]
 
 
+def test_a_rendezvous_closed_at_the_end_of_the_job_is_not_reopened():
+    """The first agent to finish closes it (torch's shutdown) while the others' workers
+    have completed too: no reopen, no warning, before the job's /state says completed."""
+    assert Kind.REOPEN_RENDEZVOUS not in d(live(rdzv_closed=True, progress_event="completed")).kinds()
+    assert Kind.REOPEN_RENDEZVOUS in d(live(rdzv_closed=True, progress_event="step")).kinds()
+
+
 def test_a_closed_rendezvous_of_a_completed_job_stays_closed():
     assert Kind.REOPEN_RENDEZVOUS not in d(live(rdzv_closed=True, job_state="completed")).kinds()
 
