@@ -63,6 +63,12 @@ __all__ = [
 ]
 
 
+def __dir__() -> list[str]:
+    # The lazy names are attributes too (``__getattr__`` imports them on first use):
+    # without this, dir(trainer) and completion in a REPL hide ElasticTrainer and the rest.
+    return sorted(set(globals()) | set(__all__))
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:

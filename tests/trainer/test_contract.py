@@ -123,3 +123,13 @@ def test_importing_the_contract_imports_neither_torch_nor_trainer():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_dir_of_trainer_lists_its_lazy_names_without_importing_them():
+    code = ("import sys, trainer; names = dir(trainer); "
+            "missing = [n for n in trainer.__all__ if n not in names]; "
+            "loaded = [m for m in sys.modules if m.split('.')[0] == 'torch']; "
+            "sys.exit(f'missing {missing}, imported {loaded[:3]}' if missing or loaded else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
