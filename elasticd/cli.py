@@ -129,6 +129,16 @@ def drain(config_path: str, node_id: str | None, reason: str) -> None:
                f"(watch with `elasticd status --config {config_path}`)")
 
 
+def _require_demo_extra() -> None:
+    """Fail before the run, not after it: the picture needs matplotlib (the ``demo`` extra)."""
+    try:
+        import matplotlib  # noqa: F401 - imported later for the picture
+    except ImportError:
+        raise click.ClickException(
+            "the demo draws its timeline with matplotlib, which is not installed; install the "
+            "demo extra: pip install 'elasticd[demo]' (or run `make demo` in a checkout)") from None
+
+
 @main.command()
 @click.option("--crash-at", default=30, show_default=True,
               help="Step of the world of 3 at which a node is SIGKILLed.")
@@ -152,6 +162,7 @@ def demo(crash_at: int, rejoin_after: float, drain_after: float, stop_after: flo
 
     if crash_at < 1:
         raise click.BadParameter(f"--crash-at {crash_at} must be at least 1")
+    _require_demo_extra()
     out = Path(out_dir).expanduser() if out_dir else Path.home() / "elasticd-demo"
     started = time.monotonic()
 
