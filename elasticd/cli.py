@@ -29,10 +29,10 @@ def main() -> None:
 @main.command(context_settings={"ignore_unknown_options": True, "help_option_names": []})
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def chaos(args: tuple[str, ...]) -> None:
-    """Run a chaos scenario on a local cluster (``python -m elasticd.chaos --help``)."""
+    """Run a chaos scenario on a local cluster (``elasticd chaos --help``)."""
     from elasticd.chaos.__main__ import main as chaos_main
 
-    sys.exit(chaos_main(list(args)))
+    sys.exit(chaos_main(list(args), prog="elasticd chaos"))
 
 
 @main.command()

@@ -1,9 +1,14 @@
-"""``python -m elasticd.chaos``: run one chaos scenario on this machine and write its report.
+"""``elasticd chaos`` (or ``python -m elasticd.chaos``): run one chaos scenario on this machine
+and write its report.
 
-    python -m elasticd.chaos --seed 7 --faults node-kill,drain,etcd-restart --out DIR
-    python -m elasticd.chaos --seed 7 --overlap --out DIR   # pairs: the second inside the first's recovery
-    python -m elasticd.chaos --scenario scenario.toml --out DIR
-    python -m elasticd.chaos --list        # the fault kinds
+    elasticd chaos --seed 7 --faults node-kill,drain      # a short one: two faults, a few minutes
+    elasticd chaos --seed 7 --faults node-kill,drain,etcd-restart --out DIR
+    elasticd chaos --seed 7 --overlap --out DIR   # pairs: the second inside the first's recovery
+    elasticd chaos --scenario scenario.toml --out DIR
+    elasticd chaos --list        # the fault kinds
+
+``--seed`` alone draws from every default fault kind: about 15 minutes (seed 41: 14). The report
+goes to ``--out`` (default ``~/elasticd-chaos/seed-N`` or ``~/elasticd-chaos/<scenario>``).
 
 Exit status: 0 when every invariant holds, 1 when one fails, 2 for a bad scenario.
 """
@@ -25,8 +30,11 @@ from elasticd.chaos.scenario import Scenario, ScenarioError, draw, load
 from elasticd.rendezvous.keys import DEFAULT_ROUNDS, ROUNDS
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m elasticd.chaos", description=__doc__.splitlines()[0])
+def parser(prog: str = "python -m elasticd.chaos") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
+                                epilog=f"a short run: {prog} --seed 7 --faults node-kill,drain "
+                                "(a few minutes); --seed alone draws every default fault kind "
+                                "(about 15 min)")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--scenario", type=Path, help="a scenario file (.toml or .json)")
     what.add_argument("--seed", type=int, help="draw the scenario from this seed (with --faults)")
@@ -46,7 +54,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--final-step", type=int, default=None,
                    help="the job's last step for a drawn scenario (default: 150 past the last fault; "
                    "a fault fires only once the previous one recovered, so give room)")
-    p.add_argument("--out", type=Path, default=Path("chaos-report"), help="where the report goes")
+    p.add_argument("--out", type=Path, default=None,
+                   help="where the report goes (default: ~/elasticd-chaos/seed-N, or the scenario "
+                   "file's name)")
     p.add_argument("--keep", action="store_true", help="keep the cluster's logs and checkpoints "
                    "(in OUT/cluster)")
     return p
@@ -67,8 +77,15 @@ def _exit_on(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)   # unwinds through local_cluster: every process is killed
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+def default_out(args: argparse.Namespace) -> Path:
+    """Not the current directory (a report dropped wherever the command ran): one folder
+    per seed or scenario under ~/elasticd-chaos, as the demo writes to ~/elasticd-demo."""
+    name = f"seed-{args.seed}" if args.seed is not None else Path(args.scenario).stem
+    return Path.home() / "elasticd-chaos" / name
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m elasticd.chaos") -> int:
+    args = parser(prog).parse_args(argv)
     if args.list:
         for name, cls in INJECTORS.items():
             print(f"{name:24} {cls.summary}")
@@ -78,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     except ScenarioError as exc:
         print(f"bad scenario: {exc}", file=sys.stderr)
         return 2
+    args.out = args.out if args.out is not None else default_out(args)
     root = args.out / "cluster" if args.keep else Path(tempfile.mkdtemp(prefix="elasticd-chaos-"))
     # A background job of a non-interactive shell starts with SIGINT ignored (seen: the
     # run could not be interrupted); SIGTERM would kill it without its cleanup.

@@ -250,3 +250,16 @@ def test_what_a_heal_starts_outlives_the_heal_until_the_run_is_over(monkeypatch)
     finally:
         run._RUN_OVER.set()
     assert proc.wait(timeout=10) == -signal.SIGKILL   # gone with its thread, once the run is over
+
+
+def test_the_command_line_names_itself_and_writes_reports_under_home_not_here(capsys):
+    from elasticd.chaos.__main__ import default_out, parser
+
+    with pytest.raises(SystemExit):
+        parser("elasticd chaos").parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert text.startswith("usage: elasticd chaos") and "a short run: elasticd chaos --seed 7" in text
+    args = parser().parse_args(["--seed", "7"])
+    assert args.out is None and default_out(args) == Path.home() / "elasticd-chaos" / "seed-7"
+    args = parser().parse_args(["--scenario", "/x/stop-then-drain.toml"])
+    assert default_out(args) == Path.home() / "elasticd-chaos" / "stop-then-drain"
