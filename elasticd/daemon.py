@@ -101,6 +101,9 @@ class Daemon:
         self.clock = clock
         self.keys = JobKeys(config.job.id, config.etcd.key_prefix)
         self.node_id = config.node.id
+        # A temp run dir is kept at the end (its agent.log holds the workers' output, the
+        # cause of a failure among it) and said so in the last line, never left silently.
+        self._temp_run_dir = not config.node.run_dir
         run_dir = config.node.run_dir or tempfile.mkdtemp(prefix=f"elasticd-{self.node_id}-")
         log_dir = Path(config.node.log_dir) if config.node.log_dir else None
         self.files = RunFiles(Path(run_dir), log_dir)
@@ -537,7 +540,16 @@ class Daemon:
         with deadline(CYCLE_DEADLINE_S):
             self.membership.leave()
         self.client.close()
-        self.log.info("daemon stopped", phase=self.memory.phase.value, hard=self.memory.hard_stop)
+        self.log.info("daemon stopped", phase=self.memory.phase.value, hard=self.memory.hard_stop,
+                      **self.run_dir_note())
+
+    def run_dir_note(self) -> dict[str, str]:
+        """What the last line says about a run dir this daemon made up (none if configured)."""
+        if not self._temp_run_dir:
+            return {}
+        return {"run_dir_kept": str(self.files.run_dir),
+                "note": "agent.log there holds the workers' output; delete the directory when "
+                        "done, or set [node] run_dir to choose where it goes"}
 
 
 ACTIONS: dict[Kind, Callable[[Daemon, Action], None]] = {

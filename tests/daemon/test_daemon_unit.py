@@ -21,3 +21,16 @@ def test_a_cycle_that_raises_is_logged_and_does_not_beat_the_watchdog(tmp_path):
         daemon._cycle_guarded()          # not connected: observe() raises
     assert any(e["event"] == "daemon cycle failed; retrying at the next tick" for e in logs)
     assert not daemon.watchdog.healthy()
+
+
+def test_a_run_dir_the_daemon_made_up_is_named_in_its_last_line_and_a_configured_one_is_not(tmp_path):
+    job = {"id": "unit", "entrypoint": ["train.py"]}
+    own = Daemon(config_from_dict({"job": job, "node": {"id": "a", "run_dir": str(tmp_path)}}))
+    assert own.run_dir_note() == {}
+    made_up = Daemon(config_from_dict({"job": job, "node": {"id": "a"}}))
+    try:
+        note = made_up.run_dir_note()
+        assert note["run_dir_kept"] == str(made_up.files.run_dir) and "[node] run_dir" in note["note"]
+        assert made_up.files.run_dir.name.startswith("elasticd-a-")
+    finally:
+        made_up.files.run_dir.rmdir()
