@@ -17,8 +17,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from elasticd.generation import GenerationId
 from elasticd.worker_contract import (
+    CHANNEL_NAMES,
     DEFAULT_LR_RULE,
     FIELD_NAMES,
     LR_RULES,
@@ -26,6 +29,8 @@ from elasticd.worker_contract import (
     WorkerSettings,
 )
 from trainer.errors import ConfigError, LaunchError
+
+log = structlog.get_logger(__name__)
 
 __all__ = ["DEFAULT_LR_RULE", "LR_RULES", "REQUIRED_VARS", "ElasticContext"]
 
@@ -107,9 +112,17 @@ class ElasticContext(WorkerSettings):
     def with_overrides(self, **settings: Any) -> ElasticContext:
         """A copy with the given settings replaced; ``None`` values leave a setting alone.
 
-        This is how script arguments take precedence over the environment.
+        This is how script arguments take precedence over the environment, except for the
+        daemon's channels (``CHANNEL_NAMES``: the progress and stop files): where the
+        environment sets one, it stays, and a different argument is ignored with a warning.
         """
         given = {k: v for k, v in settings.items() if v is not None}
+        for name in CHANNEL_NAMES:
+            ours = getattr(self, name)
+            if name in given and ours is not None and given[name] != ours:
+                log.warning(f"--{name.replace('_', '-')} ignored: the daemon set "
+                            f"ELASTICD_{name.upper()} and reads that file; drop the argument "
+                            "when the script runs under elasticd", given=given.pop(name), kept=ours)
         return dataclasses.replace(self, **given)
 
     @property

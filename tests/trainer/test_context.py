@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from structlog.testing import capture_logs
 
 from trainer.context import ElasticContext
 from trainer.errors import ConfigError, LaunchError
@@ -55,6 +56,22 @@ def test_outside_torchrun_names_missing_variables_and_how_to_launch():
 def test_invalid_values_name_the_variable(name, value, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("|", r"\|")):
         ElasticContext.from_env({**TORCHRUN, name: value})
+
+
+def test_the_daemons_files_stay_where_its_environment_put_them_and_a_different_argument_warns():
+    """Before: ``--progress-file`` moved the file the daemon reads (in-place recovery fell
+    back to a restart, ``elasticd status`` showed no steps) and nothing said so."""
+    env = {**TORCHRUN, "ELASTICD_PROGRESS_FILE": "/run/p.json", "ELASTICD_STOP_FILE": "/run/stop"}
+    ctx = ElasticContext.from_env(env)
+    with capture_logs() as logs:
+        new = ctx.with_overrides(progress_file="/tmp/mine.json", stop_file="/run/stop",
+                                 checkpoint_dir="/other")
+    assert (new.progress_file, new.stop_file, new.checkpoint_dir) == ("/run/p.json", "/run/stop", "/other")
+    (warning,) = [e for e in logs if e["log_level"] == "warning"]
+    assert warning["event"].startswith("--progress-file ignored: the daemon set ELASTICD_PROGRESS_FILE")
+    assert (warning["given"], warning["kept"]) == ("/tmp/mine.json", "/run/p.json")
+    alone = ElasticContext.from_env(TORCHRUN).with_overrides(progress_file="/tmp/mine.json")
+    assert alone.progress_file == "/tmp/mine.json"   # no daemon: the argument decides
 
 
 def test_arguments_override_the_environment_but_none_keeps_it():
