@@ -79,6 +79,7 @@ from elasticd.supervisor import (
     decide,
 )
 from elasticd.warmstart import WarmHost
+from elasticd.worker_errors import LastError
 
 log = structlog.get_logger("elasticd.daemon")
 
@@ -108,6 +109,7 @@ class Daemon:
         log_dir = Path(config.node.log_dir) if config.node.log_dir else None
         self.files = RunFiles(Path(run_dir), log_dir)
         self.files.run_dir.mkdir(parents=True, exist_ok=True)
+        self.worker_errors = LastError(self.files.agent_log)
         self.policy = policy_from(config)
         self.metrics = Metrics()
         self.notifier = notifier or SystemdNotifier()
@@ -267,6 +269,7 @@ class Daemon:
             agent_exit=agent.exit_code() if agent else None,
             workers=frozenset(p.pid for p in agent.workers(direct=True)) if agent else frozenset(),
             step=progress.step, progress_event=progress.event, progress_reason=progress.reason,
+            worker_error=self.worker_errors.update(),
             job_state=job.job_state, drain_request=drain, notice_deadline=self._notice_deadline,
             stop_signals=self._stop_signals, rdzv_closed=job.rdzv_closed,
             round=job.round, round_members=job.round_members, agent_addr=self.config.node.addr,
@@ -355,6 +358,7 @@ class Daemon:
 
     def _start_agent(self, action: Action) -> None:
         self.files.stop.unlink(missing_ok=True)
+        self.worker_errors.forget()   # a new life's failure names its own cause
         prune_log_dirs(self.files.torchrun_logs)
         warm = self.files.warm_socket if self.warm_host is not None else None
         command = torchrun_command(self.config, self.config.job.resolved_nproc(),

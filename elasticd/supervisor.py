@@ -237,6 +237,7 @@ class Snapshot:
     reform: Reform | None = None           # ... and a re-form's report
     shrink: ShrinkOutcome | None = None    # the last SHRINK's outcome
     generation_record: GenerationRecord | None = None  # etcd: the agreed generation
+    worker_error: str | None = None        # agent log: the workers' newest exception line
 
 
 @dataclass(frozen=True)
@@ -872,7 +873,7 @@ def _agent_exited(snap: Snapshot, mem: Memory, policy: Policy):
     if count >= policy.crash_loop_failures:
         return _mark_failed(mem, f"the agent failed {count} times without progress within "
                                  f"{policy.crash_loop_window_s:.0f} s (last exit code "
-                                 f"{snap.agent_exit}); marking this node failed")
+                                 f"{snap.agent_exit}); marking this node failed", snap.worker_error)
     delay = min(policy.backoff_initial_s * 2 ** (count - 1), policy.backoff_max_s)
     mem = replace(_count_failure(_recovering(mem, "agent-crash", snap.now), failures, snap.now),
                   phase=Phase.BACKOFF, restart_at=snap.now + delay)
@@ -902,10 +903,15 @@ def _recent(times: tuple[float, ...], now: float, policy: Policy) -> tuple[float
     return tuple(t for t in times if now - t <= policy.crash_loop_window_s)
 
 
-def _mark_failed(mem: Memory, reason: str):
+def _mark_failed(mem: Memory, reason: str, error: str | None = None):
+    """FAILED, published and journaled; ``error``: the workers' last exception line (a
+    crash loop's cause, which otherwise only ``agent.log`` holds)."""
+    if error:
+        reason = f"{reason}; the workers' last error: {error}"
+    extra = {"last_error": error} if error else {}
     return (replace(mem, phase=Phase.FAILED),
             [act(Kind.PUBLISH, fields={"state": "failed", "reason": reason, "agent_pid": None}),
-             act(Kind.JOURNAL, event="node-failed", fields={"reason": reason})], reason)
+             act(Kind.JOURNAL, event="node-failed", fields={"reason": reason, **extra})], reason)
 
 
 def _job_completed(snap: Snapshot, mem: Memory, policy: Policy):
@@ -1128,7 +1134,8 @@ def _worker_crash_loop(snap: Snapshot, mem: Memory, policy: Policy):
     if len(recent) < policy.crash_loop_failures:
         return None
     return _mark_failed(mem, f"the workers crashed {len(recent)} times without progress within "
-                             f"{policy.crash_loop_window_s:.0f} s; marking this node failed")
+                             f"{policy.crash_loop_window_s:.0f} s; marking this node failed",
+                        snap.worker_error)
 
 
 def _start(snap: Snapshot, mem: Memory, policy: Policy):

@@ -129,6 +129,21 @@ def test_crash_loop_marks_the_node_failed(etcd_server, cluster, tmp_path):
                for e in events), events
 
 
+def test_a_node_whose_workers_cannot_start_names_their_error_when_it_is_marked_failed(
+        etcd_server, cluster, tmp_path):
+    """Before: the sentence said only "crashed 3 times without progress"; the cause (here
+    the one a checkpoint directory that cannot be created gives) was in agent.log alone."""
+    add, nodes = cluster
+    script = tmp_path / "cannot_start.py"
+    script.write_text("raise PermissionError(\"[Errno 13] Permission denied: '/ckpt/job'\")\n")
+    a = add("a", etcd_server.endpoint, entrypoint=[str(script)], extra="crash_loop_failures = 3")
+    assert a.proc.wait(timeout=120) == 3
+    failed = [e for e in log_lines(a)
+              if e.get("phase") == "failed" and "marking this node failed" in e["event"]]
+    assert failed and failed[0]["event"].endswith(
+        "; the workers' last error: PermissionError: [Errno 13] Permission denied: '/ckpt/job'"), failed
+
+
 def test_sigkilled_daemon_leaves_no_orphans(etcd_server, cluster):
     add, nodes = cluster
     a = add("a", etcd_server.endpoint)

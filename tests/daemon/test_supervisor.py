@@ -126,6 +126,23 @@ def test_worker_crash_loop_while_running_marks_failed():
     assert "the workers crashed 3 times without progress" in out.reason
 
 
+@pytest.mark.parametrize("failing", ["agent", "workers"])
+def test_a_node_marked_failed_says_its_workers_last_error_in_the_sentence_record_and_journal(failing):
+    """Before: "... 5 times without progress ...; marking this node failed", the cause
+    only in agent.log (often a temp directory)."""
+    error = "RuntimeError: Distributed package doesn't have NCCL built in"
+    s = (snap(agent_pid=AGENT, agent_exit=1, worker_error=error) if failing == "agent"
+         else live(worker_error=error))
+    out = d(s, replace(RUNNING, failures=(950.0, 980.0, 990.0)))
+    assert out.phase is Phase.FAILED and out.reason.endswith(f"; the workers' last error: {error}")
+    publish, journal = out.actions
+    assert publish["fields"]["reason"] == out.reason
+    assert journal["event"] == "node-failed" and journal["fields"]["last_error"] == error
+    plain = d(replace(s, worker_error=None), replace(RUNNING, failures=(950.0, 980.0, 990.0)))
+    assert plain.reason.endswith("marking this node failed")
+    assert "last_error" not in plain.actions[1]["fields"]
+
+
 def test_worker_crashes_below_the_budget_are_tolerated():
     assert d(live(), replace(RUNNING, failures=(980.0, 990.0))).phase is Phase.RUNNING
 
