@@ -46,11 +46,23 @@ def run(config_path: str, log_level: str) -> None:
 
     configure_logging(log_level)
     config = _load(config_path)
+    _refuse_a_bad_checkpoint_dir(config)
     try:
         code = Daemon(config, config_path=config_path).run()
     except ElasticdError as exc:
         raise click.ClickException(str(exc)) from None
     sys.exit(code)
+
+
+def _refuse_a_bad_checkpoint_dir(config) -> None:  # noqa: ANN001 - a loaded Config
+    """What ``elasticd doctor`` finds wrong with the checkpoint directory stops ``run`` at
+    once (exit 1; under systemd it retries, so a mount that comes up late is waited for)."""
+    from elasticd.doctor import checkpoint_dir_failures
+
+    failures = checkpoint_dir_failures(config)
+    if failures:
+        raise click.ClickException("cannot run: " + "; ".join(
+            f"{c.what} (fix: {c.fix})" for c in failures))
 
 
 @main.command()

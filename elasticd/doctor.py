@@ -227,6 +227,15 @@ def _close(client: Any) -> None:
             client.close()
 
 
+def checkpoint_dir_failures(config: Any) -> list[Check]:
+    """The checkpoint directory checks that failed, for ``elasticd run`` to refuse to start
+    with (a directory the workers cannot create or write otherwise ended as a crash loop,
+    "marking this node failed", the cause in agent.log)."""
+    found: list[Check] = []
+    _checkpoint_dir_checks(config, found.append)
+    return [c for c in found if c.failed]
+
+
 def _checkpoint_dir_checks(config: Any, report: Callable[[Check], None]) -> str | None:
     """Exists or can be created, writable, free space; returns the dir id (None on failure)."""
     path = Path(config.checkpoint.dir)

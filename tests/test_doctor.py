@@ -176,6 +176,22 @@ def test_checkpoint_dir_that_cannot_be_created(etcd_server, job_id, tmp_path):
     assert "mount the shared storage" in failed[0]
 
 
+def test_run_refuses_a_checkpoint_dir_that_doctor_fails_before_starting_anything(tmp_path):
+    """Before: `elasticd run` started, the workers failed to create the directory, and after
+    five crashes the node was "marked failed" with the cause in agent.log. Now run stops at
+    once with doctor's line and fix (exit 1), before it registers in etcd or starts an agent
+    (the endpoint here has no etcd at all)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    config = write_config(tmp_path, f"127.0.0.1:{free_port()}", "job-x", ckpt=blocker / "ckpt")
+    started = time.monotonic()
+    result = CliRunner().invoke(main, ["run", "--config", str(config)])
+    assert result.exit_code == 1, result.output
+    assert f"cannot run: checkpoint dir {blocker / 'ckpt'} does not exist and cannot be created" \
+        in result.output and "fix: mount the shared storage" in result.output
+    assert time.monotonic() - started < 10
+
+
 @contextlib.contextmanager
 def read_only_tmpfs(path: Path):
     path.mkdir()
