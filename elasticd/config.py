@@ -171,13 +171,21 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class LrConfig:
     rule: str = DEFAULT_LR_RULE   # the workers' default too (elasticd/worker_contract.py)
-    base_world_size: int = 1
+    # The world size the script's LR is for. None (the default, as for the workers and the
+    # plugin): the job's first world, kept in its checkpoints. It used to be 1, so a script
+    # that scales its own LR (lr * world_size, as DDP tutorials teach) was scaled twice: 3x
+    # the intended LR at world 3.
+    base_world_size: int | None = None
     warmup_steps: int = 0
 
     def __post_init__(self) -> None:
         _require(self.rule in LR_RULES, "lr.rule", self.rule, f"use one of {', '.join(LR_RULES)}")
-        _require(isinstance(self.base_world_size, int) and self.base_world_size >= 1,
-                 "lr.base_world_size", self.base_world_size, "use a whole number >= 1")
+        _require(self.base_world_size is None or (
+                     isinstance(self.base_world_size, int) and not isinstance(self.base_world_size, bool)
+                     and self.base_world_size >= 1),
+                 "lr.base_world_size", self.base_world_size,
+                 "use a whole number >= 1 (the world size the script's LR is tuned for), or leave "
+                 "it out to take the job's first world size")
         _require(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "lr.warmup_steps",
                  self.warmup_steps, "use a whole number >= 0")
 

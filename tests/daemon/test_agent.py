@@ -94,6 +94,22 @@ def test_environment_is_the_contract_and_round_trips(tmp_path):
     assert settings.checkpoint_every_s == 30.0 and settings.checkpoint_every_steps is None
 
 
+def test_the_lr_base_is_the_jobs_first_world_unless_the_config_names_one(tmp_path):
+    """Before: the daemon always passed base 1, so a script that scales its own LR
+    (lr * world_size) got it scaled again: 3x the intended LR at world 3; a script without
+    its own scaling got 2x at world 2 where plain torchrun kept it."""
+    from trainer.lr import start_scale
+
+    env = worker_env(CONFIG, RunFiles(tmp_path), base={})
+    assert "ELASTICD_LR_BASE_WORLD_SIZE" not in env
+    base = WorkerSettings.from_env(env).lr_base_world_size
+    first = start_scale(None, 0, 3, "linear", base_world_size=base)
+    assert (first.base_world_size, first.factor(1)) == (3, 1.0)   # the first world: the script's LR
+    named = config_from_dict({"job": {"id": "j1", "entrypoint": ["train.py"]}, "node": {"id": "n1"},
+                              "lr": {"base_world_size": 16}})
+    assert worker_env(named, RunFiles(tmp_path), base={})["ELASTICD_LR_BASE_WORLD_SIZE"] == "16"
+
+
 def test_stale_contract_and_secret_variables_of_the_daemon_do_not_leak(tmp_path):
     base = {"ELASTICD_CHECKPOINT_EVERY_STEPS": "5", "ELASTICD_ETCD_USER": "elastic",
             "ELASTICD_ETCD_PASSWORD": "leaked", "ELASTICD_ETCD_AUTH_STDIN": "1"}
