@@ -67,6 +67,7 @@ from elasticd.lease import LeaseKeeper
 from elasticd.rendezvous.backend import EtcdV3RendezvousBackend
 from elasticd.rendezvous.keyed import KeyedRendezvousHandler
 from elasticd.rendezvous.keys import DEFAULT_ROOT, DEFAULT_ROUNDS, ROUNDS, JobKeys
+from elasticd.rendezvous.leaving import LeavesOnExit
 from elasticd.rendezvous.rounds import Rules
 from elasticd.rendezvous.store import EtcdV3Store
 from elasticd.rendezvous.torch_compat import check_torch_apis, supports_cas_backoff
@@ -285,7 +286,7 @@ def _warn_unknown(config: dict[str, Any]) -> None:
         log.warning("ignoring unknown rdzv-conf keys", keys=unknown, known=sorted(KNOWN_KEYS))
 
 
-class EtcdV3RendezvousHandler(dyn.DynamicRendezvousHandler):
+class EtcdV3RendezvousHandler(LeavesOnExit, dyn.DynamicRendezvousHandler):
     """torch's dynamic rendezvous, made safe against an etcd outage in the steady state.
 
     The agent's monitor loop polls ``num_nodes_waiting()`` every monitor interval
@@ -303,6 +304,7 @@ class EtcdV3RendezvousHandler(dyn.DynamicRendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         if self.companion is not None:
             self.companion.leave_round()
+        self._arm_leave_on_exit()
         with _woken_by(self):
             return self._next_rendezvous()
 
@@ -346,13 +348,16 @@ class EtcdV3RendezvousHandler(dyn.DynamicRendezvousHandler):
         other shutdown just leaves the rendezvous (stops heartbeats, drops this node
         from the round) and the job goes on without it.
         """
+        return self._leave_once(success=sys.exc_info()[1] is None)
+
+    def _leave(self, success: bool) -> bool:
         if self.companion is not None:
-            self.companion.stop(done=sys.exc_info()[1] is None)
-        if sys.exc_info()[1] is None:
+            self.companion.stop(done=success)
+        if success:
             return super().shutdown()
         self._stop_heartbeats()
         log.warning("agent is giving up; leaving the rendezvous open for the others",
-                    node=repr(self._this_node), reason=repr(sys.exc_info()[1])[:200])
+                    node=repr(self._this_node), reason=repr(sys.exc_info()[1] or "a signal")[:200])
         try:
             with no_retry():
                 self._op_executor.run(dyn._RendezvousExitOp(),

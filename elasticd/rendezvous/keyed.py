@@ -50,6 +50,7 @@ from elasticd.etcd_client import EtcdClient, KeyValue, no_retry
 from elasticd.lease import LeaseKeeper
 from elasticd.rendezvous import BACKEND_NAME
 from elasticd.rendezvous.keys import JobKeys
+from elasticd.rendezvous.leaving import LeavesOnExit
 from elasticd.rendezvous.rounds import (
     Agent,
     CorruptRoundError,
@@ -83,7 +84,7 @@ WAITING_CACHE_S = 1.0
 _LOCAL_IDS = itertools.count()   # torch's _NodeDescGenerator: unique per process
 
 
-class KeyedRendezvousHandler(RendezvousHandler):
+class KeyedRendezvousHandler(LeavesOnExit, RendezvousHandler):
     """torch's ``RendezvousHandler`` on keyed rounds in etcd."""
 
     def __init__(self, run_id: str, client: EtcdClient, keys: JobKeys, store: Store,
@@ -135,6 +136,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         if self.companion is not None:
             self.companion.leave_round()
         self._ensure_alive()
+        self._arm_leave_on_exit()
         round_ = self._next_round()
         while True:
             self._join(round_)
@@ -198,16 +200,19 @@ class KeyedRendezvousHandler(RendezvousHandler):
     def shutdown(self) -> bool:
         """Close the rendezvous only when this agent's workers succeeded (as ``handler.py``
         explains for torch's handler), and leave it in every case."""
+        return self._leave_once(success=sys.exc_info()[1] is None)
+
+    def _leave(self, success: bool) -> bool:
         if self.companion is not None:
-            self.companion.stop(done=sys.exc_info()[1] is None)
-        if sys.exc_info()[1] is None:
+            self.companion.stop(done=success)
+        if success:
             try:
                 self.set_closed()
             except RendezvousConnectionError as exc:
                 log.warning("could not close the rendezvous", reason=str(exc))
         else:
             log.warning("agent is giving up; leaving the rendezvous open for the others",
-                        agent=self.agent.name, reason=repr(sys.exc_info()[1])[:200])
+                        agent=self.agent.name, reason=repr(sys.exc_info()[1] or "a signal")[:200])
         # Revoking the liveness lease removes this agent's liveness and join keys at once.
         self._alive.stop(revoke=True)
         self._alive_started = False

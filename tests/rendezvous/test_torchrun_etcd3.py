@@ -112,3 +112,29 @@ def test_etcd_restart_is_survived_and_training_never_waits_on_etcd(fresh_etcd, c
     assert all(n.proc.poll() is None for n in nodes), "an agent died during the etcd outage"
     assert stop_all(nodes, tmp_path) == [0, 0]
     _all_steps_correct(tmp_path)
+
+
+# Keep-alive as shipped (not FAST_RDZV_CONF's 1 s x 3): a peer that does not leave is
+# forgotten only after 5 s x 3, or its liveness lease's expiry.
+SLOW_KEEPALIVE = "last_call_timeout=1,keep_alive_interval=5,keep_alive_max_attempt=3,join_timeout=120"
+
+
+@pytest.mark.parametrize("rounds", ["torch", "keyed"])
+def test_an_agent_stopped_by_sigterm_leaves_the_rendezvous_so_the_others_do_not_wait_for_it(
+        etcd_server, cluster, tmp_path, rounds):
+    """torch skips the handler's shutdown when its agent dies of a signal: the leaver stayed
+    a member until its keep-alive ran out (measured: a graceful SIGTERM cost 16.5 s). Now it
+    leaves at interpreter exit, and the survivor trains alone well before 15 s."""
+    add, nodes = cluster
+    a, b = (add(n, etcd_server.endpoint, nnodes="1:2", rdzv_conf=f"{SLOW_KEEPALIVE},rounds={rounds}")
+            for n in "ab")
+    wait_until(lambda: world_after(tmp_path, ["a", "b"], 2, 0), 90, "world of 2", nodes)
+    stopped = time.time()
+    b.proc.send_signal(signal.SIGTERM)
+    assert b.proc.wait(timeout=60) != 0
+    assert "leaving the rendezvous open for the others" in b.log_path.read_text()
+    wait_until(lambda: world_after(tmp_path, ["a"], 1, stopped), 60, "a alone at world 1", nodes)
+    alone = min(r["t"] for r in reports(tmp_path)["a-0"] if r["world"] == 1 and r["t"] > stopped)
+    assert alone - stopped < 13, f"a waited {alone - stopped:.1f} s for the leaver"
+    assert stop_all([a], tmp_path) == [0]
+    _all_steps_correct(tmp_path)

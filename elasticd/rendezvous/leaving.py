@@ -1,0 +1,50 @@
+"""An agent that dies of a signal still leaves the rendezvous, at interpreter exit.
+
+torch's ``launch_agent`` calls the handler's ``shutdown()`` in a ``finally`` on every exit
+but a signal: on ``SignalException`` (SIGTERM, SIGINT: a graceful stop, a drain of plain
+torchrun) it skips it, so the agent's liveness stayed in etcd until its lease or
+keep-alive ran out, and the others waited for it (measured without the daemon: a
+graceful SIGTERM cost the survivors 16.5 s). The interpreter still exits normally after
+that exception, so an ``atexit`` hook can leave, never close: the job goes on without
+this node. Both handlers (torch's rounds and keyed rounds) share this one rule.
+"""
+
+from __future__ import annotations
+
+import atexit
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+class LeavesOnExit:
+    """Mixin: ``_arm_leave_on_exit()`` once the agent has joined; ``_leave(success)`` is
+    the handler's one way out (``shutdown`` calls it too, so it runs at most once)."""
+
+    _leave_armed = False
+    _has_left = False
+
+    def _arm_leave_on_exit(self) -> None:
+        if not self._leave_armed:
+            self._leave_armed = True
+            atexit.register(self._leave_on_exit)
+
+    def _leave_on_exit(self) -> None:
+        if self._has_left:
+            return
+        log.warning("agent exiting without a rendezvous shutdown (a signal); leaving the "
+                    "rendezvous open for the others")
+        try:
+            self._leave_once(success=False)
+        except Exception as exc:  # noqa: BLE001 - at exit: the lease's expiry still evicts us
+            log.warning("could not leave the rendezvous at exit", reason=repr(exc)[:200])
+
+    def _leave_once(self, success: bool) -> bool:
+        if self._has_left:
+            return True
+        self._has_left = True
+        return self._leave(success)
+
+    def _leave(self, success: bool) -> bool:
+        raise NotImplementedError
