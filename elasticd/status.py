@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from elasticd.config import Config
+from elasticd.errors import ElasticdError, EtcdError
 from elasticd.etcd_client import EtcdClient
 from elasticd.journal import recent_entries
 from elasticd.rendezvous import admin
@@ -27,12 +28,64 @@ _NODE_FIELDS: dict[str, tuple[type, ...]] = {
 }
 
 
+# `elasticd status`'s exit status when etcd holds no key of the job (cli.status says so).
+NO_SUCH_JOB_EXIT_CODE = 4
+# How many job ids the no-such-job message names at most.
+_JOBS_LISTED = 20
+
+
+class NoSuchJob(ElasticdError):
+    """etcd holds no key under the job's prefix: the job never ran against this etcd,
+    or the id, the endpoints or the key prefix are not the job's."""
+
+
 def read_status(config: Config, events: int = 10) -> dict[str, Any]:
+    """One read of the job's keys; ``NoSuchJob`` if there is no key under its prefix."""
     client = EtcdClient(config.etcd.settings(retry_s=3.0))
+    keys = JobKeys(config.job.id, config.etcd.key_prefix)
     try:
-        return _read(client, JobKeys(config.job.id, config.etcd.key_prefix), events)
+        if client.count_prefix(keys.prefix) == 0:
+            raise NoSuchJob(_no_such_job(client, keys, config.etcd.endpoints))
+        return _read(client, keys, events)
     finally:
         client.close()
+
+
+def job_ids(client: EtcdClient, root: str, most: int = _JOBS_LISTED) -> list[str]:
+    """The first ``most`` job ids with a key under ``root``, in key order (one keys-only
+    read of one key per job: no job's values travel)."""
+    found: list[str] = []
+    start, end = f"{root}/", f"{root}0"     # '0' follows '/': the range holds root/...
+    while len(found) < most:
+        key = client.first_key(start, end)
+        if key is None:
+            break
+        job = key[len(root) + 1:].split("/", 1)[0]
+        found.append(job)
+        start = f"{root}/{job}0"             # past every key of root/job/
+    return found
+
+
+def _no_such_job(client: EtcdClient, keys: JobKeys, endpoints: tuple[str, ...]) -> str:
+    where = ", ".join(endpoints)
+    field = keys.root.count("/") + 2
+    listing = (f"etcdctl --endpoints={where} get --prefix --keys-only {keys.root}/ "
+               f"| cut -d/ -f{field} | sort -u")
+    return (f"no job {keys.job_id!r} in etcd: nothing under {keys.prefix} at {where} (no node "
+            f"record, no /state, no generation, no journal). Check `[job] id` in the config "
+            f"(or ELASTICD_JOB_ID), `[etcd] endpoints` and `key_prefix`. "
+            f"{_other_jobs(client, keys.root)} List them with: {listing}")
+
+
+def _other_jobs(client: EtcdClient, root: str) -> str:
+    try:
+        jobs = job_ids(client, root, _JOBS_LISTED + 1)
+    except EtcdError as exc:     # a job's etcd user may read its own prefix only
+        return f"The jobs under {root}/ could not be listed ({exc})."
+    if not jobs:
+        return f"etcd holds no job under {root}/ at all."
+    more = ", ..." if len(jobs) > _JOBS_LISTED else ""
+    return f"Jobs under {root}/: {', '.join(jobs[:_JOBS_LISTED])}{more}."
 
 
 class _Warnings:

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from elasticd.cli import main
 from elasticd.rendezvous.keys import JobKeys
+from elasticd.status import NO_SUCH_JOB_EXIT_CODE
 
 
 @pytest.fixture
@@ -22,12 +23,15 @@ def job_id() -> str:
     return f"status-{uuid.uuid4().hex[:12]}"
 
 
+def write_config(path, job_id: str, endpoint: str, root: str = "/elasticd"):
+    path.write_text(f'[job]\nid = "{job_id}"\nentrypoint = ["train.py"]\n\n'
+                    f'[etcd]\nendpoints = ["{endpoint}"]\nkey_prefix = "{root}"\n')
+    return path
+
+
 @pytest.fixture
 def config(tmp_path, etcd_server, job_id):
-    path = tmp_path / "node.toml"
-    path.write_text(f'[job]\nid = "{job_id}"\nentrypoint = ["train.py"]\n\n'
-                    f'[etcd]\nendpoints = ["{etcd_server.endpoint}"]\n')
-    return path
+    return write_config(tmp_path / "node.toml", job_id, etcd_server.endpoint)
 
 
 def good_node(node: str = "n1") -> dict:
@@ -128,6 +132,46 @@ def test_a_raising_rendezvous_decoder_is_a_line(client, config, job_id, monkeypa
         raise Refused("refusing to unpickle global os.system")
 
     monkeypatch.setattr(admin, "current_round", refuse)
+    client.put(JobKeys(job_id).node("n1"), json.dumps(good_node()).encode())  # the job exists
     out = status(config)
     assert (f"warning: {JobKeys(job_id).rdzv_state}: the rendezvous state could not be read "
             "(Refused: refusing to unpickle global os.system)") in out
+
+
+# -- a job etcd knows nothing of -------------------------------------------------------------
+
+def test_a_job_with_no_key_in_etcd_is_an_error_naming_it(client, tmp_path, etcd_server, job_id):
+    """Not `job ...: running` with rc 0: the job, the endpoints, what exists, how to list it."""
+    root = f"/status-{uuid.uuid4().hex[:8]}"
+    for other in ("job-a", "job-b"):
+        client.put(f"{root}/{other}/nodes/n1", json.dumps(good_node()).encode())
+    client.put(f"{root}/{job_id}x/state", b"{}")     # a longer id is another job
+    config = write_config(tmp_path / "node.toml", job_id, etcd_server.endpoint, root)
+    for args in ((), ("--json",)):
+        result = CliRunner().invoke(main, ["status", "--config", str(config), *args])
+        assert result.exit_code == NO_SUCH_JOB_EXIT_CODE == 4, result.output
+        assert result.stdout == "", result.stdout
+        err = result.stderr
+        assert "running" not in err and "Traceback" not in err
+        assert f"no job {job_id!r} in etcd: nothing under {root}/{job_id}/" in err, err
+        assert etcd_server.endpoint in err and "`[job] id`" in err and str(config) in err
+        assert f"Jobs under {root}/: job-a, job-b, {job_id}x." in err, err
+        assert f"get --prefix --keys-only {root}/ | cut -d/ -f3" in err, err
+
+
+def test_the_no_such_job_exit_status_is_in_the_help():
+    result = CliRunner().invoke(main, ["status", "--help"])
+    assert result.exit_code == 0 and "4 when etcd holds no key of the job" in result.output
+
+
+def test_job_ids_lists_each_job_once_and_stops_at_most(client):
+    from elasticd.status import job_ids
+
+    root = f"/ids-{uuid.uuid4().hex[:8]}"
+    for job in ("a", "a.b", "a0", "b", "c"):
+        for key in ("nodes/n1", "nodes/n2", "state"):
+            client.put(f"{root}/{job}/{key}", b"{}")
+    client.put(f"{root}x/d/state", b"{}")            # another root
+    assert job_ids(client, root) == ["a.b", "a", "a0", "b", "c"]   # key order: "." < "/"
+    assert job_ids(client, root, most=2) == ["a.b", "a"]
+    assert job_ids(client, f"/ids-{uuid.uuid4().hex[:8]}") == []
