@@ -20,6 +20,7 @@ from elasticd.etcd_client import EtcdClient
 from elasticd.journal import recent_entries
 from elasticd.rendezvous import admin
 from elasticd.rendezvous.keys import JobKeys
+from elasticd.timeline import DEFAULT_LIMIT, Entry, parse_entries
 
 # Node record fields shown by status, and the types a daemon writes them with.
 _NODE_FIELDS: dict[str, tuple[type, ...]] = {
@@ -154,13 +155,14 @@ def _guarded(what: str, key: str, warn: _Warnings, read: Callable[[], Any]) -> A
 def _read(client: EtcdClient, keys: JobKeys, events: int) -> dict[str, Any]:
     warn = _Warnings()
     now = time.time()
+    journal = _journal(client, keys, warn)
     return {
         "job": keys.job_id,
         "state": _job_state(client, keys, warn),
         "nodes": _nodes(client, keys, warn, now),
         **_round(client, keys, warn),
         "checkpoint": _checkpoint(client, keys, warn),
-        "events": _events(client, keys, events, warn),
+        "events": [_raw(e) for e in journal[-events:]] if events > 0 else [],
         "warnings": list(warn.lines.values()),
     }
 
@@ -223,13 +225,16 @@ def _checkpoint(client: EtcdClient, keys: JobKeys, warn: _Warnings) -> dict[str,
     return {**record, "step": step, "node": node or "?"}
 
 
-def _events(client: EtcdClient, keys: JobKeys, limit: int, warn: _Warnings) -> list[dict[str, Any]]:
-    out = []
-    for where, entry in recent_entries(client, keys, limit, warn=warn.line):
-        out.append({**entry, "kind": _field(entry, "kind", (str,), where, warn) or "?",
-                    "node": _field(entry, "node", (str,), where, warn) or "?",
-                    "time": _field(entry, "time", (int, float), where, warn) or 0})
-    return out
+def _journal(client: EtcdClient, keys: JobKeys, warn: _Warnings) -> list[Entry]:
+    """Every well-formed journal entry, oldest first (validated as ``elasticd timeline``
+    validates them; a malformed one is one warning, and skipped)."""
+    return parse_entries(recent_entries(client, keys, DEFAULT_LIMIT, warn=warn.line),
+                         keys.events, warn.line)
+
+
+def _raw(entry: Entry) -> dict[str, Any]:
+    """The entry as its writer put it (``--json``)."""
+    return {"kind": entry.kind, "node": entry.node, "time": entry.time, **entry.fields}
 
 
 def _clock(stamp: float) -> str:
@@ -254,9 +259,33 @@ def format_status(status: dict[str, Any]) -> str:
                      f"lease {n['lease_ttl_left_s']} s left, updated {n['last_update_s_ago']} s ago")
     lines.append("recent events:")
     for e in status["events"]:
-        when = _clock(e.get("time", 0))
-        extra = {k: v for k, v in e.items() if k not in ("kind", "node", "time")}
-        lines.append(f"  {when} {e.get('node', '?')!s:<16} {e.get('kind')} {extra if extra else ''}".rstrip())
+        lines.append(f"  {_clock(e['time'])} {e['node']:<16} {describe_event(e)}")
     for warning in status.get("warnings", []):
         lines.append(f"warning: {warning}")
     return "\n".join(lines)
+
+
+# An event's fields: who it is about, why it happened, and where training stood.
+_ABOUT = "peer"
+_WHY = ("reason", "cause", "how", "fault")
+_WHERE = {"step": "step", "world_size": "world size", "round": "round"}
+
+
+def describe_event(event: dict[str, Any]) -> str:
+    """One journal entry as a line: what happened (to whom), why, its other fields, and
+    where training stood, e.g. ``peer-lost b: crashed (step 40, world size 3, round 2)``."""
+    what = event["kind"] + (f" {_value(event[_ABOUT])}" if event.get(_ABOUT) else "")
+    why = next((k for k in _WHY if event.get(k) not in (None, "")), None)
+    shown = {"kind", "node", "time", _ABOUT, why, *_WHERE}
+    rest = [f"{k} {_value(v)}" for k, v in event.items() if k not in shown and v not in (None, "", [])]
+    where = [f"{label} {_value(event[k])}" for k, label in _WHERE.items() if event.get(k) is not None]
+    line = what + (f": {_value(event[why])}" if why else "") + (f"; {', '.join(rest)}" if rest else "")
+    return line + (f" ({', '.join(where)})" if where else "")
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, list):
+        return ",".join(_value(v) for v in value)
+    if isinstance(value, dict):
+        return json.dumps(value, sort_keys=True, default=str)
+    return " ".join(str(value).split())     # one line, whatever the writer put in it

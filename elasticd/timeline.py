@@ -125,6 +125,19 @@ def parse_entry(key: str, entry: dict[str, Any], prefix: str) -> Entry | str:
     return Entry(key, kind, node, float(stamp), fields)
 
 
+def parse_entries(raw: list[tuple[str, dict[str, Any]]], prefix: str, warn: Warn) -> list[Entry]:
+    """The well-formed entries of ``recent_entries``' (key, entry) pairs, in their order;
+    each malformed one is skipped and ``warn`` hears one line naming its key."""
+    entries = []
+    for key, entry in raw:
+        parsed = parse_entry(key, entry, prefix)
+        if isinstance(parsed, Entry):
+            entries.append(parsed)
+        else:
+            warn(f"{key}: {parsed}; skipped")
+    return entries
+
+
 def parse_checkpoint(raw: bytes | None, key: str, warn: Warn) -> dict[str, Any] | None:
     """``checkpoint/latest`` as {step, time, node}, or None (absent or malformed: warned)."""
     if raw is None:
@@ -305,13 +318,7 @@ def read_timeline(config: Config, limit: int = DEFAULT_LIMIT, warn: Warn | None 
         checkpoint = parse_checkpoint(kv.value if kv else None, keys.checkpoint_latest, note)
     finally:
         client.close()
-    entries = []
-    for key, entry in raw:
-        parsed = parse_entry(key, entry, keys.events)
-        if isinstance(parsed, Entry):
-            entries.append(parsed)
-        else:
-            note(f"{key}: {parsed}; skipped")
+    entries = parse_entries(raw, keys.events, note)
     if not entries:
         raise ValueError(f"the journal of job {config.job.id!r} ({keys.events}) has no valid "
                          "entry: the job never ran against this etcd, or its entries expired")

@@ -83,9 +83,11 @@ MALFORMED = [
     ("checkpoint/latest", b'{"step": 40, "node": 7}', "checkpoint/latest node: 7"),
     ("events/00000000000000000002-x", b"[]", "events/00000000000000000002-x: journal entry is not a JSON"),
     ("events/00000000000000000002-x", b'{"kind": ["boom"], "node": "x", "time": 1}',
-     "events/00000000000000000002-x kind"),
+     "events/00000000000000000002-x: kind ['boom'] is not a string"),
     ("events/00000000000000000002-x", b'{"kind": "k", "node": "x", "time": "noon"}',
-     "events/00000000000000000002-x time: 'noon'"),
+     "events/00000000000000000002-x: time 'noon' is not a positive number"),
+    ("events/00000000000000000002-x", b'{"kind": "k", "node": "y", "time": 1}',
+     "events/00000000000000000002-x: node 'y' is not the node in its key"),
     ("rdzv/state", b"not a pickle", "rdzv/state: the rendezvous state could not be read"),
     ("rdzv/state", pickle.dumps([1, 2]), "rdzv/state: the rendezvous state could not be read"),
 ]
@@ -175,3 +177,45 @@ def test_job_ids_lists_each_job_once_and_stops_at_most(client):
     assert job_ids(client, root) == ["a.b", "a", "a0", "b", "c"]   # key order: "." < "/"
     assert job_ids(client, root, most=2) == ["a.b", "a"]
     assert job_ids(client, f"/ids-{uuid.uuid4().hex[:8]}") == []
+
+
+# -- events ------------------------------------------------------------------------------------
+
+def journal(client, keys: JobKeys, node: str, kind: str, at: float, **fields) -> None:
+    entry = {"kind": kind, "node": node, "time": at, **fields}
+    client.put(f"{keys.events}{int(at * 1e9):020d}-{node}", json.dumps(entry).encode())
+
+
+def test_events_are_readable_lines_and_json_keeps_them_raw(client, config, job_id):
+    keys = JobKeys(job_id)
+    at = time.time() - 60
+    journal(client, keys, "n1", "peer-lost", at, peer="n2", how="crashed", step=40, world_size=3,
+            round=2)
+    journal(client, keys, "n1", "recovered-in-place", at + 1, fault="peer-crashed", duration_s=0.12,
+            daemon_s=0.2, lost=["n2"], generation="2.1", step=40, world_size=2, round=2)
+    journal(client, keys, "n1", "node-failed", at + 2, reason="the agent exited 3 times\nwithout "
+            "progress", step=41, world_size=2, round=2)
+    journal(client, keys, "n1", "job-completed", at + 3)
+    out = status(config)
+    lines = out.split("recent events:\n", 1)[1].splitlines()
+    clock = time.strftime("%H:%M:%S", time.localtime(at))
+    assert lines[0] == f"  {clock} n1               peer-lost n2: crashed (step 40, world size 3, round 2)"
+    assert lines[1].endswith("recovered-in-place: peer-crashed; duration_s 0.12, daemon_s 0.2, "
+                             "lost n2, generation 2.1 (step 40, world size 2, round 2)"), lines
+    assert lines[2].endswith("node-failed: the agent exited 3 times without progress "
+                             "(step 41, world size 2, round 2)"), lines
+    assert lines[3].endswith(" n1               job-completed"), lines
+    assert not [line for line in lines if "{" in line or "'" in line], lines
+    events = json.loads(status(config, "--json"))["events"]
+    assert events[0] == {"kind": "peer-lost", "node": "n1", "time": at, "peer": "n2",
+                         "how": "crashed", "step": 40, "world_size": 3, "round": 2}
+    assert events[1]["lost"] == ["n2"] and len(events) == 4
+
+
+def test_events_shows_the_newest_entries(client, config, job_id):
+    keys = JobKeys(job_id)
+    for i in range(5):
+        journal(client, keys, "n1", "progress", 1_000_000 + i, step=i)
+    steps = [e["step"] for e in json.loads(status(config, "--json", "--events", "2"))["events"]]
+    assert steps == [3, 4]
+    assert json.loads(status(config, "--json", "--events", "0"))["events"] == []
