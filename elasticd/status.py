@@ -20,13 +20,17 @@ from elasticd.etcd_client import EtcdClient
 from elasticd.journal import recent_entries
 from elasticd.rendezvous import admin
 from elasticd.rendezvous.keys import JobKeys
-from elasticd.timeline import DEFAULT_LIMIT, Entry, parse_entries
+from elasticd.supervisor import GONE_STATES
+from elasticd.timeline import DEFAULT_LIMIT, Entry, node_ends, parse_entries
 
 # Node record fields shown by status, and the types a daemon writes them with.
 _NODE_FIELDS: dict[str, tuple[type, ...]] = {
     "node_id": (str,), "state": (str,), "addr": (str,),
     "agent_pid": (int, type(None)), "daemon_pid": (int, type(None)), "updated": (int, float),
+    "reason": (str, type(None)),
 }
+# The state line names this many nodes at most.
+_NAMED = 5
 
 
 # `elasticd status`'s exit status when etcd holds no key of the job (cli.status says so).
@@ -156,10 +160,14 @@ def _read(client: EtcdClient, keys: JobKeys, events: int) -> dict[str, Any]:
     warn = _Warnings()
     now = time.time()
     journal = _journal(client, keys, warn)
+    nodes = _nodes(client, keys, warn, now)
+    state = derive_state(_recorded_state(client, keys, warn), nodes, node_ends(journal))
     return {
         "job": keys.job_id,
-        "state": _job_state(client, keys, warn),
-        "nodes": _nodes(client, keys, warn, now),
+        "state": state["state"],
+        "state_detail": state["detail"],
+        "failed_nodes": state["failed_nodes"],
+        "nodes": nodes,
         **_round(client, keys, warn),
         "checkpoint": _checkpoint(client, keys, warn),
         "events": [_raw(e) for e in journal[-events:]] if events > 0 else [],
@@ -167,11 +175,72 @@ def _read(client: EtcdClient, keys: JobKeys, events: int) -> dict[str, Any]:
     }
 
 
-def _job_state(client: EtcdClient, keys: JobKeys, warn: _Warnings) -> str:
+def _recorded_state(client: EtcdClient, keys: JobKeys, warn: _Warnings) -> str | None:
+    """What ``/state`` says (``completed``, its one value), or None: absent while the job runs."""
     kv = client.get(keys.state)
     record = _json_object(kv.value, keys.state, warn) if kv else None
     state = _field(record, "state", (str,), keys.state, warn) if record is not None else None
-    return state or "running"
+    return state or None
+
+
+def derive_state(recorded: str | None, nodes: list[dict[str, Any]],
+                 ends: dict[str, tuple[str | None, str | None]]) -> dict[str, Any]:
+    """The job's state from what etcd holds: ``{"state", "detail", "failed_nodes"}``.
+
+    ``recorded``: what ``/state`` says; ``nodes``: the node records (``_nodes``' rows; a
+    node is live unless its record's state is one of ``supervisor.GONE_STATES``);
+    ``ends``: how the journal says each node's last membership ended
+    (``timeline.node_ends``). The state is ``/state``'s when it holds one; else
+    ``running`` while a node is live; else ``failed`` when every node a record or the
+    journal names is marked failed (by its record, or, its record gone, by the journal's
+    ``node-failed``); else ``stalled``. ``failed_nodes``: node -> reason (or None).
+    """
+    failed = _failed_nodes(nodes, ends)
+    if recorded is not None:
+        return {"state": recorded, "detail": "", "failed_nodes": failed}
+    live = [n["node"] for n in nodes if n["state"] not in GONE_STATES]
+    known = {n["node"] for n in nodes} | set(ends)
+    if live:
+        state, detail = "running", _count(len(live), "live node") + (
+            f"; marked failed: {_named(failed)}" if failed else "")
+    elif known and set(failed) == known:
+        state, detail = "failed", f"every node marked failed ({_named(failed)})"
+    else:
+        state, detail = "stalled", "no live node " + (
+            f"({_named(_last_words(nodes, ends))})" if known
+            else "(no node record, and no node in the journal)")
+    return {"state": state, "detail": detail, "failed_nodes": failed}
+
+
+def _failed_nodes(nodes: list[dict[str, Any]],
+                  ends: dict[str, tuple[str | None, str | None]]) -> dict[str, str | None]:
+    """Nodes whose record says failed, and those whose record is gone after the journal's
+    ``node-failed`` (a failed daemon deletes its record as it exits): node -> reason."""
+    failed = {n["node"]: n["reason"] for n in nodes if n["state"] == "failed"}
+    recorded = {n["node"] for n in nodes}
+    failed |= {node: reason for node, (end, reason) in ends.items()
+               if end == "failed" and node not in recorded}
+    return dict(sorted(failed.items()))
+
+
+def _last_words(nodes: list[dict[str, Any]],
+                ends: dict[str, tuple[str | None, str | None]]) -> dict[str, str | None]:
+    """What is known of each node that is not live: its record's state, or the journal's end."""
+    words: dict[str, str | None] = {n["node"]: f"record {n['state']}" for n in nodes}
+    for node, (end, reason) in ends.items():
+        if node not in words:
+            words[node] = (f"{end}: {reason}" if reason else end) if end else "record gone"
+    return dict(sorted(words.items()))
+
+
+def _named(items: dict[str, str | None]) -> str:
+    shown = [f"{node}: {_value(what)}" if what else node for node, what in list(items.items())[:_NAMED]]
+    more = len(items) - _NAMED
+    return "; ".join(shown) + (f"; and {more} more" if more > 0 else "")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _nodes(client: EtcdClient, keys: JobKeys, warn: _Warnings, now: float) -> list[dict[str, Any]]:
@@ -185,6 +254,7 @@ def _nodes(client: EtcdClient, keys: JobKeys, warn: _Warnings, now: float) -> li
                        lambda kv=kv: client.lease_ttl(kv.lease_id)) if kv.lease_id else None
         nodes.append({
             "node": f["node_id"] or kv.key.removeprefix(keys.nodes), "state": f["state"],
+            "reason": f["reason"],
             "addr": f["addr"], "agent_pid": f["agent_pid"], "daemon_pid": f["daemon_pid"],
             "last_update_s_ago": None if f["updated"] is None else round(now - f["updated"], 1),
             "lease_ttl_left_s": ttl,
@@ -246,8 +316,9 @@ def _clock(stamp: float) -> str:
 
 def format_status(status: dict[str, Any]) -> str:
     ckpt = status["checkpoint"]
+    detail = status.get("state_detail")
     lines = [
-        f"job {status['job']}: {status['state']}",
+        f"job {status['job']}: {status['state']}{': ' + detail if detail else ''}",
         f"rendezvous round {status['round']}, {status['world_nodes']} node(s) in the world"
         f"{'' if status['rendezvous_complete'] else ' (forming)'}, {status['waiting_nodes']} waiting",
         f"newest checkpoint: step {ckpt['step']} (by {ckpt['node']})" if ckpt else "newest checkpoint: none",
@@ -256,7 +327,8 @@ def format_status(status: dict[str, Any]) -> str:
     for n in status["nodes"]:
         # str(): a field treated as absent is None, which format specs refuse.
         lines.append(f"  {n['node']!s:<16} {n['state']!s:<10} addr {n['addr']}, agent pid {n['agent_pid']}, "
-                     f"lease {n['lease_ttl_left_s']} s left, updated {n['last_update_s_ago']} s ago")
+                     f"lease {n['lease_ttl_left_s']} s left, updated {n['last_update_s_ago']} s ago"
+                     + (f", reason: {_value(n['reason'])}" if n.get("reason") else ""))
     lines.append("recent events:")
     for e in status["events"]:
         lines.append(f"  {_clock(e['time'])} {e['node']:<16} {describe_event(e)}")

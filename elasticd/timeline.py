@@ -295,6 +295,22 @@ def build_timeline(entries: list[Entry], job: str, *, checkpoint: dict[str, Any]
     }
 
 
+def node_ends(entries: list[Entry]) -> dict[str, tuple[str | None, str | None]]:
+    """How the journal says each node's last membership ended: ``build_timeline``'s
+    ``end_kind`` (``failed``, ``left``, ``completed``, ``lost (crashed)``, ...; None while
+    it is open) and, for ``failed``, the reason of its last ``node-failed`` (or None)."""
+    if not entries:
+        return {}
+    tl = build_timeline(entries, "")
+    reasons = {f["node"]: f.get("reason") for f in tl["faults"] if f["kind"] == "node-failed"}
+    ends = {}
+    for name, node in tl["nodes"].items():
+        end = node["member"][-1]["end_kind"] if node["member"] else None
+        reason = reasons.get(name) if end == "failed" else None
+        ends[name] = (end, reason if isinstance(reason, str) else None)
+    return ends
+
+
 # -- reading ------------------------------------------------------------------------------
 
 def read_timeline(config: Config, limit: int = DEFAULT_LIMIT, warn: Warn | None = None) -> dict[str, Any]:

@@ -18,8 +18,10 @@
 ``/elasticd/<job>/doctor/<node-id>``    ``elasticd doctor``'s record (checkpoint dir id, clock)
 ``/elasticd/<job>/state``               ``{"state": "completed", "node", "time"}`` once the script
                                         finished (``Daemon._mark_completed``, the one writer);
-                                        absent while the job runs (``elasticd status``: running).
-                                        A failed node says so in its own record, not here
+                                        absent while the job runs (``elasticd status``
+                                        then derives running, failed or stalled from the
+                                        node records and the journal). A failed node says
+                                        so in its own record and the journal, not here
 ``/elasticd/<job>/generation``          the agreed in-place generation (elasticd.generation)
 """
 

@@ -219,3 +219,79 @@ def test_events_shows_the_newest_entries(client, config, job_id):
     steps = [e["step"] for e in json.loads(status(config, "--json", "--events", "2"))["events"]]
     assert steps == [3, 4]
     assert json.loads(status(config, "--json", "--events", "0"))["events"] == []
+
+
+# -- the job's state ---------------------------------------------------------------------------
+
+def first_line(config) -> str:
+    return status(config).splitlines()[0]
+
+
+def test_the_only_node_marked_failed_in_its_record_is_a_failed_job(client, config, job_id):
+    keys = JobKeys(job_id)
+    lease = client.grant_lease(30)
+    record = good_node() | {"state": "failed", "reason": "crashed 3 times without progress",
+                            "agent_pid": None}
+    client.put(keys.node("n1"), json.dumps(record).encode(), lease=lease)
+    out = status(config)
+    assert out.splitlines()[0] == (f"job {job_id}: failed: every node marked failed "
+                                   "(n1: crashed 3 times without progress)"), out
+    assert "running" not in out.splitlines()[0]
+    assert "reason: crashed 3 times without progress" in out    # the node's own line
+    parsed = json.loads(status(config, "--json"))
+    assert parsed["state"] == "failed"
+    assert parsed["failed_nodes"] == {"n1": "crashed 3 times without progress"}
+    client.revoke_lease(lease)
+
+
+def test_a_failed_node_whose_record_is_gone_is_failed_by_the_journal(client, config, job_id):
+    """The failed daemon deletes its record as it exits: the journal's node-failed says why."""
+    keys = JobKeys(job_id)
+    at = time.time() - 30
+    journal(client, keys, "n1", "node-joined", at)
+    journal(client, keys, "n1", "agent-failed", at + 1, exit_code=1)
+    journal(client, keys, "n1", "node-failed", at + 2, reason="the workers diverged")
+    assert first_line(config) == f"job {job_id}: failed: every node marked failed (n1: the workers diverged)"
+
+
+def test_one_of_two_nodes_failed_the_other_live_is_running_and_says_so(client, config, job_id):
+    keys = JobKeys(job_id)
+    lease = client.grant_lease(30)
+    client.put(keys.node("n2"), json.dumps(good_node("n2")).encode(), lease=lease)
+    journal(client, keys, "n1", "node-failed", time.time() - 5, reason="unfit")
+    assert first_line(config) == f"job {job_id}: running: 1 live node; marked failed: n1: unfit"
+    client.revoke_lease(lease)
+
+
+def test_no_live_node_is_stalled_and_says_what_became_of_each(client, config, job_id):
+    keys = JobKeys(job_id)
+    at = time.time() - 30
+    journal(client, keys, "n1", "node-joined", at)            # its record expired since
+    journal(client, keys, "n2", "node-joined", at)
+    journal(client, keys, "n2", "node-left", at + 1)
+    journal(client, keys, "n3", "node-failed", at + 2, reason="unfit")
+    client.put(keys.node("n4"), json.dumps(good_node("n4") | {"state": "leaving"}).encode())
+    assert first_line(config) == (f"job {job_id}: stalled: no live node (n1: record gone; "
+                                  "n2: left; n3: failed: unfit; n4: record leaving)")
+    assert json.loads(status(config, "--json"))["state"] == "stalled"
+
+
+def test_a_job_with_keys_but_no_node_anywhere_is_stalled(client, config, job_id):
+    client.put(JobKeys(job_id).checkpoint_latest, json.dumps({"step": 3, "node": "n1"}).encode())
+    assert first_line(config) == (f"job {job_id}: stalled: no live node (no node record, and no "
+                                  "node in the journal)")
+
+
+def test_a_node_failed_then_restarted_is_live_again(client, config, job_id):
+    keys = JobKeys(job_id)
+    journal(client, keys, "n1", "node-failed", time.time() - 9, reason="crash loop")
+    journal(client, keys, "n1", "node-joined", time.time() - 1)
+    client.put(keys.node("n1"), json.dumps(good_node()).encode())
+    assert first_line(config) == f"job {job_id}: running: 1 live node"
+
+
+def test_completed_is_what_state_says(client, config, job_id):
+    keys = JobKeys(job_id)
+    client.put(keys.state, json.dumps({"state": "completed", "node": "n1", "time": 1}).encode())
+    journal(client, keys, "n1", "job-completed", time.time() - 1)
+    assert first_line(config) == f"job {job_id}: completed"
