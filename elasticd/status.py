@@ -17,6 +17,7 @@ from typing import Any
 from elasticd.config import Config
 from elasticd.errors import ElasticdError, EtcdError
 from elasticd.etcd_client import EtcdClient
+from elasticd.generation import GenerationId, GenerationRecord, GenerationRecordError
 from elasticd.journal import recent_entries
 from elasticd.rendezvous import admin
 from elasticd.rendezvous.keys import JobKeys
@@ -162,13 +163,17 @@ def _read(client: EtcdClient, keys: JobKeys, events: int) -> dict[str, Any]:
     journal = _journal(client, keys, warn)
     nodes = _nodes(client, keys, warn, now)
     state = derive_state(_recorded_state(client, keys, warn), nodes, node_ends(journal))
+    rdzv = _round(client, keys, warn)
+    generation = _generation(client, keys, warn, rdzv["round"], rdzv.pop("epoch"))
     return {
         "job": keys.job_id,
         "state": state["state"],
         "state_detail": state["detail"],
         "failed_nodes": state["failed_nodes"],
         "nodes": nodes,
-        **_round(client, keys, warn),
+        **rdzv,
+        **_world(rdzv, generation),
+        "generation": generation,
         "checkpoint": _checkpoint(client, keys, warn),
         "events": [_raw(e) for e in journal[-events:]] if events > 0 else [],
         "warnings": list(warn.lines.values()),
@@ -263,7 +268,8 @@ def _nodes(client: EtcdClient, keys: JobKeys, warn: _Warnings, now: float) -> li
 
 
 def _round(client: EtcdClient, keys: JobKeys, warn: _Warnings) -> dict[str, Any]:
-    absent = {"round": None, "world_nodes": 0, "rendezvous_complete": False, "waiting_nodes": 0}
+    absent = {"round": None, "world_nodes": 0, "rendezvous_complete": False, "waiting_nodes": 0,
+              "epoch": None}
     rdzv = _guarded("the rendezvous state", keys.rdzv_state, warn,
                     lambda: admin.current_round(client, keys))
     if rdzv is None:
@@ -279,7 +285,41 @@ def _round(client: EtcdClient, keys: JobKeys, warn: _Warnings) -> dict[str, Any]
     if not ok:
         warn(keys.rdzv_state, f"the rendezvous state has unexpected fields ({view!r:.120})")
         return absent
-    return view
+    return {**view, "epoch": rdzv.epoch}
+
+
+def _generation(client: EtcdClient, keys: JobKeys, warn: _Warnings, round_: int | None,
+                epoch: str | None) -> dict[str, Any] | None:
+    """The agreed in-place generation (``/generation``), and whether it is the current
+    world: a later re-form of the current round (``GenerationId.newer_than``: same round,
+    same epoch, seq > 0). After an in-place shrink the round's world is the old one."""
+    kv = client.get(keys.generation)
+    if kv is None:
+        return None
+    try:
+        record = GenerationRecord.from_json(kv.value)
+    except GenerationRecordError as exc:
+        warn(keys.generation, str(exc))
+        return None
+    try:
+        current = round_ is not None and record.id.newer_than(GenerationId(round_, 0, epoch))
+    except GenerationRecordError as exc:   # an epoch no generation can carry
+        warn(f"{keys.prefix}rdzv epoch", str(exc))
+        current = False
+    return {"generation": str(record.id), "epoch": record.id.epoch, "members": list(record.nodes),
+            "world_size": record.world_size, "lost": list(record.lost), "cause": record.cause,
+            "created": record.created, "current": current}
+
+
+def _world(rdzv: dict[str, Any], generation: dict[str, Any] | None) -> dict[str, Any]:
+    """The current world: the agreed generation's when it is newer than the round's."""
+    round_world = {"round_world_nodes": rdzv["world_nodes"]}
+    if generation is None or not generation["current"]:
+        return {**round_world, "world_nodes": rdzv["world_nodes"], "world_members": None,
+                "world_source": None if rdzv["round"] is None else f"round {rdzv['round']}"}
+    return {**round_world, "world_nodes": len(generation["members"]),
+            "world_members": generation["members"],
+            "world_source": f"generation {generation['generation']}"}
 
 
 def _checkpoint(client: EtcdClient, keys: JobKeys, warn: _Warnings) -> dict[str, Any] | None:
@@ -315,12 +355,13 @@ def _clock(stamp: float) -> str:
 
 
 def format_status(status: dict[str, Any]) -> str:
+    """``read_status``'s dict as text: the state line, the world, the newest checkpoint,
+    one line per node, per recent event and per warning."""
     ckpt = status["checkpoint"]
     detail = status.get("state_detail")
     lines = [
         f"job {status['job']}: {status['state']}{': ' + detail if detail else ''}",
-        f"rendezvous round {status['round']}, {status['world_nodes']} node(s) in the world"
-        f"{'' if status['rendezvous_complete'] else ' (forming)'}, {status['waiting_nodes']} waiting",
+        _world_line(status),
         f"newest checkpoint: step {ckpt['step']} (by {ckpt['node']})" if ckpt else "newest checkpoint: none",
         "nodes:",
     ]
@@ -335,6 +376,23 @@ def format_status(status: dict[str, Any]) -> str:
     for warning in status.get("warnings", []):
         lines.append(f"warning: {warning}")
     return "\n".join(lines)
+
+
+def _world_line(status: dict[str, Any]) -> str:
+    line = f"rendezvous round {status['round']}, {status['world_nodes']} node(s) in the world"
+    gen = status.get("generation")
+    if status.get("world_members") is not None and gen is not None:
+        lost = f"; lost {_listed(gen['lost'])}" if gen["lost"] else ""
+        line += (f" (generation {gen['generation']}, in place: {_listed(gen['members'])}{lost}; "
+                 f"the round formed with {status['round_world_nodes']})")
+    elif not status["rendezvous_complete"]:
+        line += " (forming)"
+    return f"{line}, {status['waiting_nodes']} waiting"
+
+
+def _listed(names: list[str], most: int = 8) -> str:
+    more = f", ... ({len(names)} in all)" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
 
 
 # An event's fields: who it is about, why it happened, and where training stood.

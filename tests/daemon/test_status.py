@@ -295,3 +295,77 @@ def test_completed_is_what_state_says(client, config, job_id):
     client.put(keys.state, json.dumps({"state": "completed", "node": "n1", "time": 1}).encode())
     journal(client, keys, "n1", "job-completed", time.time() - 1)
     assert first_line(config) == f"job {job_id}: completed"
+
+
+# -- the world after an in-place shrink ---------------------------------------------------------
+
+def keyed_round(client, keys: JobKeys, round_: int, size: int, epoch: str = "e1") -> None:
+    from elasticd.rendezvous.rounds import Agent, World, encode_pointer
+
+    world = World(round_, tuple(Agent("127.0.0.1", 100 + i) for i in range(size)))
+    client.put(keys.rdzv_epoch, epoch.encode())
+    client.put(keys.rdzv_world(round_), world.encode())
+    client.put(keys.rdzv_round, encode_pointer(world))
+
+
+def agreed(client, keys: JobKeys, round_: int, seq: int, members: list[str], lost: list[str],
+           epoch: str | None = "e1") -> None:
+    from elasticd.generation import GenerationId, GenerationRecord, renumber
+
+    record = GenerationRecord(GenerationId(round_, seq, epoch), renumber((m, 1) for m in members),
+                              "127.0.0.1:29400", tuple(lost), "peer-crashed", created=time.time())
+    client.put(keys.generation, record.to_json().encode())
+
+
+def world_of(config) -> tuple[str, dict]:
+    return status(config).splitlines()[1], json.loads(status(config, "--json"))
+
+
+def test_a_generation_newer_than_the_round_is_the_world(client, config, job_id):
+    keys = JobKeys(job_id)
+    keyed_round(client, keys, 5, 3)
+    agreed(client, keys, 5, 1, ["n1", "n2"], ["n3"])
+    line, parsed = world_of(config)
+    assert line == ("rendezvous round 5, 2 node(s) in the world (generation 5.1, in place: n1, n2; "
+                    "lost n3; the round formed with 3), 0 waiting"), line
+    assert parsed["world_nodes"] == 2 and parsed["round_world_nodes"] == 3
+    assert parsed["world_members"] == ["n1", "n2"] and parsed["world_source"] == "generation 5.1"
+    assert parsed["generation"]["current"] is True and "epoch" not in parsed
+    agreed(client, keys, 5, 2, ["n1"], ["n2", "n3"])             # a second shrink in the round
+    assert world_of(config)[1]["world_nodes"] == 1
+
+
+@pytest.mark.parametrize(("round_", "epoch"), [(4, "e1"), (5, "e0"), (5, None)],
+                         ids=["an-older-round", "another-epoch", "no-epoch"])
+def test_a_generation_of_another_round_or_epoch_is_not_the_world(client, config, job_id, round_, epoch):
+    keys = JobKeys(job_id)
+    keyed_round(client, keys, 5, 3)
+    agreed(client, keys, round_, 1, ["n1", "n2"], ["n3"], epoch=epoch)
+    line, parsed = world_of(config)
+    assert line == "rendezvous round 5, 3 node(s) in the world, 0 waiting", line
+    assert parsed["world_nodes"] == 3 and parsed["world_source"] == "round 5"
+    assert parsed["generation"]["current"] is False
+
+
+def test_torch_layout_a_generation_of_the_round_and_the_stores_epoch_is_the_world(client, config, job_id):
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
+
+    keys = JobKeys(job_id)
+    torch_state = dyn._RendezvousState()
+    torch_state.round, torch_state.complete = 2, True
+    torch_state.participants = {dyn._NodeDesc("127.0.0.1", 100 + i, 0): i for i in range(3)}
+    client.put(keys.rdzv_state, pickle.dumps(torch_state))
+    client.put(keys.store_epoch, b"0123abcd")
+    agreed(client, keys, 2, 1, ["n1", "n2"], ["n3"], epoch="0123abcd")
+    assert world_of(config)[1]["world_nodes"] == 2
+    client.put(keys.store_epoch, b"another")        # the state was made anew since
+    assert world_of(config)[1]["world_nodes"] == 3
+
+
+def test_a_malformed_generation_is_a_warning_and_the_rounds_world(client, config, job_id):
+    keys = JobKeys(job_id)
+    keyed_round(client, keys, 5, 3)
+    client.put(keys.generation, b'{"format": 1, "members": "all"}')
+    out = status(config)
+    assert "rendezvous round 5, 3 node(s) in the world, 0 waiting" in out
+    assert f"warning: {keys.generation}: generation record field members" in out
