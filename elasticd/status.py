@@ -1,4 +1,8 @@
-"""``elasticd status``: one read of the job's keys in etcd, as a dict or as text.
+"""``elasticd status``: the job's keys in etcd, read once each, as a dict or as text.
+
+The job's state is derived from them (``derive_state``: ``/state``, the node records,
+the journal), its world is the agreed in-place generation's when that is newer than
+the rendezvous round's, and a job id with no key at all is ``NoSuchJob``.
 
 Every value comes from etcd, where anything with write access to the job's prefix
 can put anything. Each one is checked before use; a bad one is treated as absent
@@ -46,7 +50,8 @@ class NoSuchJob(ElasticdError):
 
 
 def read_status(config: Config, events: int = 10) -> dict[str, Any]:
-    """One read of the job's keys; ``NoSuchJob`` if there is no key under its prefix."""
+    """The job's status from its keys (a few reads, not one snapshot: a key may change
+    between two of them); ``NoSuchJob`` if there is no key under the job's prefix."""
     client = EtcdClient(config.etcd.settings(retry_s=3.0))
     keys = JobKeys(config.job.id, config.etcd.key_prefix)
     try:
