@@ -70,11 +70,20 @@ def _refuse_a_bad_checkpoint_dir(config) -> None:  # noqa: ANN001 - a loaded Con
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--events", default=10, show_default=True, help="How many recent events to show.")
 def status(config_path: str, as_json: bool, events: int) -> None:
-    """Job state, nodes, world size and round, newest checkpoint, recent events."""
-    from elasticd.status import format_status, read_status
+    """Job state, nodes, world size and round, newest checkpoint, recent events.
+
+    Exit status: 0 when the status was shown, whatever the job's state; 1 on a config
+    or etcd error; 4 when etcd holds no key of the job (a wrong `[job] id`, endpoint or
+    key prefix, or a job that never ran against this etcd): the message names the job,
+    the endpoints and the jobs that exist there.
+    """
+    from elasticd.status import NO_SUCH_JOB_EXIT_CODE, NoSuchJob, format_status, read_status
 
     try:
         result = read_status(_load(config_path), events)
+    except NoSuchJob as exc:
+        click.echo(f"Error: {exc} (config: {config_path})", err=True)
+        sys.exit(NO_SUCH_JOB_EXIT_CODE)
     except ElasticdError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(json.dumps(result, indent=2) if as_json else format_status(result))

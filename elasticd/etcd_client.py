@@ -386,6 +386,11 @@ class EtcdClient:
         """How many keys are under ``prefix`` (etcd counts; no values travel)."""
         return int(self._call(lambda c: c.get_prefix_response(prefix, count_only=True)).count)
 
+    def first_key(self, start: str, end: str) -> str | None:
+        """The smallest key in ``[start, end)``, if any (one key, no value travels)."""
+        response = self._call(lambda c: c.get_range_response(start, end, limit=1, keys_only=True))
+        return next((kv.key.decode() for kv in response.kvs), None)
+
     def first_created(self, prefix: str) -> KeyValue | None:
         """The key under ``prefix`` with the lowest create revision (the oldest), if any."""
         response = self._call(lambda c: c.get_prefix_response(

@@ -400,7 +400,8 @@ def _progress(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list
     return mem, actions, "; ".join(notes)
 
 
-_GONE_STATES = frozenset({"leaving", "completed", "failed"})
+# The node-record states of a node that is no longer in the job (or leaving it): not live.
+GONE_STATES = frozenset({"leaving", "completed", "failed"})
 # Faults of this node alone (its own workers, agent or hang): only this node can tell them.
 LOCAL_FAULTS = frozenset({"worker-crash", "agent-crash", "hang"})
 
@@ -420,7 +421,7 @@ def records_loss(snap: Snapshot, mem: Memory, lost: Collection[str]) -> bool:
 
     mine = key(snap.node_id, snap.world)
     return all(mine <= key(n, p.world) for n, p in snap.peers.items()
-               if n not in gone and n != snap.node_id and p.state not in _GONE_STATES)
+               if n not in gone and n != snap.node_id and p.state not in GONE_STATES)
 
 
 def records_recovery(snap: Snapshot, kind: str) -> bool:
@@ -483,7 +484,7 @@ def _peer_news(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, lis
     for peer in snap.departed:
         if peer.node_id in mem.condemned:
             continue   # the majority's verdict was acted on already
-        if peer.state in _GONE_STATES:
+        if peer.state in GONE_STATES:
             dead[peer.node_id] = Death(peer, "left")
         elif peer.node_id in refused_at:
             # We saw it refuse its probe moments ago: a crash, no need to ask again.
@@ -976,7 +977,7 @@ def gone_members(snap: Snapshot, mem: Memory) -> frozenset[tuple[str, int]]:
     """The agents of the newest round that no live member's record names: their node is
     gone (its record expired or left), has a new agent, or the majority condemned the
     agent (a condemned node's new agent is live: the verdict was on the old one)."""
-    live = {p.agent for n, p in snap.peers.items() if p.agent and p.state not in _GONE_STATES
+    live = {p.agent for n, p in snap.peers.items() if p.agent and p.state not in GONE_STATES
             and (n not in mem.condemned or mem.condemned[n] != p.agent)}
     mine = (snap.agent_addr, snap.agent_pid)
     return frozenset(a for a in snap.round_members if a != mine and a not in live)

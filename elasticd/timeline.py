@@ -125,6 +125,19 @@ def parse_entry(key: str, entry: dict[str, Any], prefix: str) -> Entry | str:
     return Entry(key, kind, node, float(stamp), fields)
 
 
+def parse_entries(raw: list[tuple[str, dict[str, Any]]], prefix: str, warn: Warn) -> list[Entry]:
+    """The well-formed entries of ``recent_entries``' (key, entry) pairs, in their order;
+    each malformed one is skipped and ``warn`` hears one line naming its key."""
+    entries = []
+    for key, entry in raw:
+        parsed = parse_entry(key, entry, prefix)
+        if isinstance(parsed, Entry):
+            entries.append(parsed)
+        else:
+            warn(f"{key}: {parsed}; skipped")
+    return entries
+
+
 def parse_checkpoint(raw: bytes | None, key: str, warn: Warn) -> dict[str, Any] | None:
     """``checkpoint/latest`` as {step, time, node}, or None (absent or malformed: warned)."""
     if raw is None:
@@ -282,6 +295,22 @@ def build_timeline(entries: list[Entry], job: str, *, checkpoint: dict[str, Any]
     }
 
 
+def node_ends(entries: list[Entry]) -> dict[str, tuple[str | None, str | None]]:
+    """How the journal says each node's last membership ended: ``build_timeline``'s
+    ``end_kind`` (``failed``, ``left``, ``completed``, ``lost (crashed)``, ...; None while
+    it is open) and, for ``failed``, the reason of its last ``node-failed`` (or None)."""
+    if not entries:
+        return {}
+    tl = build_timeline(entries, "")
+    reasons = {f["node"]: f.get("reason") for f in tl["faults"] if f["kind"] == "node-failed"}
+    ends = {}
+    for name, node in tl["nodes"].items():
+        end = node["member"][-1]["end_kind"] if node["member"] else None
+        reason = reasons.get(name) if end == "failed" else None
+        ends[name] = (end, reason if isinstance(reason, str) else None)
+    return ends
+
+
 # -- reading ------------------------------------------------------------------------------
 
 def read_timeline(config: Config, limit: int = DEFAULT_LIMIT, warn: Warn | None = None) -> dict[str, Any]:
@@ -305,13 +334,7 @@ def read_timeline(config: Config, limit: int = DEFAULT_LIMIT, warn: Warn | None 
         checkpoint = parse_checkpoint(kv.value if kv else None, keys.checkpoint_latest, note)
     finally:
         client.close()
-    entries = []
-    for key, entry in raw:
-        parsed = parse_entry(key, entry, keys.events)
-        if isinstance(parsed, Entry):
-            entries.append(parsed)
-        else:
-            note(f"{key}: {parsed}; skipped")
+    entries = parse_entries(raw, keys.events, note)
     if not entries:
         raise ValueError(f"the journal of job {config.job.id!r} ({keys.events}) has no valid "
                          "entry: the job never ran against this etcd, or its entries expired")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import structlog
 
@@ -138,17 +139,23 @@ def release_exit_barrier(client: EtcdClient, keys: JobKeys, round_: int,
 
 
 def current_round(client: EtcdClient, keys: JobKeys) -> RoundView | None:
-    found, _ = client.get_many([keys.rdzv_round, keys.rdzv_closed, keys.rdzv_state])
+    """The rendezvous round of either layout, with its epoch (the one the workers'
+    generations carry: keyed rounds' ``rdzv/epoch``, else torch's in the run's store)."""
+    found, _ = client.get_many([keys.rdzv_round, keys.rdzv_closed, keys.rdzv_state,
+                                keys.rdzv_epoch, keys.store_epoch])
+    epoch_kv = found.get(keys.rdzv_epoch) or found.get(keys.store_epoch)
+    epoch = epoch_kv.value.decode("utf-8", "replace") if epoch_kv is not None else None
     pointer = found.get(keys.rdzv_round)
     if pointer is None:
         kv = found.get(keys.rdzv_state)
-        return None if kv is None else state_ops.view(kv.value, keys.rdzv_state)
+        return None if kv is None else replace(state_ops.view(kv.value, keys.rdzv_state),
+                                               epoch=epoch)
     round_, _ = decode_pointer(pointer.value, pointer.key)
     world = _keyed_world(client, keys, round_)
     members = world.members if world is not None else ()
     return RoundView(round_, world is not None, keys.rdzv_closed in found,
                      tuple((m.addr, m.pid) for m in members),
-                     client.count_prefix(keys.rdzv_joins(round_ + 1)))
+                     client.count_prefix(keys.rdzv_joins(round_ + 1)), epoch)
 
 
 def _round_of(kv: KeyValue, keys: JobKeys) -> int:

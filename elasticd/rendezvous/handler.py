@@ -66,7 +66,13 @@ from elasticd.etcd_client import EtcdClient, EtcdSettings, no_retry
 from elasticd.lease import LeaseKeeper
 from elasticd.rendezvous.backend import EtcdV3RendezvousBackend
 from elasticd.rendezvous.keyed import KeyedRendezvousHandler
-from elasticd.rendezvous.keys import DEFAULT_ROOT, DEFAULT_ROUNDS, ROUNDS, JobKeys
+from elasticd.rendezvous.keys import (
+    DEFAULT_ROOT,
+    DEFAULT_ROUNDS,
+    GENERATION_EPOCH_KEY,
+    ROUNDS,
+    JobKeys,
+)
 from elasticd.rendezvous.leaving import LeavesOnExit
 from elasticd.rendezvous.rounds import Rules
 from elasticd.rendezvous.store import EtcdV3Store
@@ -433,8 +439,8 @@ def store_epoch(store: Any) -> str:
 # The worker-contract variables of WorkerSettings.generation / .generation_epoch.
 GENERATION_ENV = "ELASTICD_GENERATION"
 GENERATION_EPOCH_ENV = "ELASTICD_GENERATION_EPOCH"
-# In the run's store (outside torch's per-round prefixes), attached to the agents' lease.
-GENERATION_EPOCH_KEY = "elasticd.generation_epoch"
+# GENERATION_EPOCH_KEY (keys.py): in the run's store (outside torch's per-round prefixes),
+# attached to the agents' lease.
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:

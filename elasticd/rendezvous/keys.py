@@ -2,7 +2,8 @@
 
 ``/elasticd/<job>/nodes/<node-id>``     node records (daemon), on the node's lease
 ``/elasticd/<job>/rdzv/state``          torch dynamic-rendezvous state (this plugin)
-``/elasticd/<job>/rdzv/store/<key>``    the agents' c10d store (this plugin)
+``/elasticd/<job>/rdzv/store/<key>``    the agents' c10d store (this plugin); torch's layout
+                                        keeps the rendezvous epoch there (``store_epoch``)
 ``/elasticd/<job>/rdzv/round``          keyed rounds: the newest closed round (small pointer)
 ``/elasticd/<job>/rdzv/world/<round>``  keyed rounds: one closed round's members
 ``/elasticd/<job>/rdzv/epoch``          keyed rounds: the job's rendezvous epoch (these three
@@ -18,8 +19,10 @@
 ``/elasticd/<job>/doctor/<node-id>``    ``elasticd doctor``'s record (checkpoint dir id, clock)
 ``/elasticd/<job>/state``               ``{"state": "completed", "node", "time"}`` once the script
                                         finished (``Daemon._mark_completed``, the one writer);
-                                        absent while the job runs (``elasticd status``: running).
-                                        A failed node says so in its own record, not here
+                                        absent while the job runs (``elasticd status``
+                                        then derives running, failed or stalled from the
+                                        node records and the journal). A failed node says
+                                        so in its own record and the journal, not here
 ``/elasticd/<job>/generation``          the agreed in-place generation (elasticd.generation)
 """
 
@@ -38,6 +41,8 @@ ROUNDS = ("keyed", "torch")
 DEFAULT_ROUNDS = "keyed"
 
 DEFAULT_ROOT = "/elasticd"
+# torch's layout: the rendezvous epoch's key in the run's store (``handler.store_epoch``).
+GENERATION_EPOCH_KEY = "elasticd.generation_epoch"
 _JOB_ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 
 
@@ -118,6 +123,11 @@ class JobKeys:
     @property
     def store(self) -> str:
         return f"{self.prefix}rdzv/store/"
+
+    @property
+    def store_epoch(self) -> str:
+        """torch's layout: the rendezvous epoch, in the run's store (on the run's lease)."""
+        return f"{self.store}{GENERATION_EPOCH_KEY}"
 
     @property
     def checkpoint_latest(self) -> str:

@@ -107,6 +107,7 @@ class RoundView:
     closed: bool
     participants: tuple[tuple[str, int], ...]   # (addr, agent pid), ordered by rank
     waiting: int
+    epoch: str | None = None    # the rendezvous epoch, where the reader knows it (admin.current_round)
 
     @property
     def world_nodes(self) -> int:

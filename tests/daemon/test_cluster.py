@@ -127,6 +127,12 @@ def test_crash_loop_marks_the_node_failed(etcd_server, cluster, tmp_path):
     events = [e["event"] for e in log_lines(a)]
     assert any("3 times without progress" in e and "marking this node failed" in e
                for e in events), events
+    # Its record went with it; `elasticd status` says so from the journal, not "running".
+    status = subprocess.run([sys.executable, "-m", "elasticd", "status", "--config", str(a.config_path)],
+                            capture_output=True, text=True, check=True)
+    state = status.stdout.splitlines()[0]
+    assert state.startswith(f"job {a.job}: failed: every node marked failed (a: "), status.stdout
+    assert "3 times without progress" in state, status.stdout
 
 
 def test_a_node_whose_workers_cannot_start_names_their_error_when_it_is_marked_failed(

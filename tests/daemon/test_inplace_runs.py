@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from elasticd.config import load_config
 from elasticd.rendezvous.keys import JobKeys
+from elasticd.status import read_status
 from tests.conftest import connect
 from tests.daemon.runs import (
     MLP,
@@ -95,6 +97,10 @@ def test_a_crashed_node_is_recovered_in_place(job, tmp_path, victim_rank0):
     _in_place(survivors, victim.name, crash)
     history = _matches_the_replay(by_rank(survivors, True), tmp_path / "ckpt", final)
     assert {w for w, _ in history.values()} == {3, 2}
+    # `elasticd status`: the world is the agreed generation's, not the round's world of 3.
+    status = read_status(load_config(str(survivors[0].config_path)))
+    assert status["world_nodes"] == 2 and status["round_world_nodes"] == 3, status
+    assert sorted(status["world_members"]) == sorted(n.name for n in survivors), status
 
 
 def test_a_silent_node_is_cut_loose_after_its_lease(job, tmp_path):
