@@ -320,6 +320,9 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "ELASTICD_ETCD_USER": ("etcd", "user"),
     "ELASTICD_ETCD_PASSWORD": ("etcd", "password"),
     "ELASTICD_CHECKPOINT_DIR": ("checkpoint", "dir"),
+    # The metrics endpoint's bind address differs per node (its private address) where a
+    # scraper on another machine reads it; the shared file keeps the loopback default.
+    "ELASTICD_METRICS_ADDR": ("metrics", "addr"),
 }
 
 _SECTIONS: dict[str, type] = {

@@ -76,6 +76,16 @@ def test_env_overrides_per_node_values_and_secrets(tmp_path):
     assert "secret" not in repr(c)
 
 
+def test_env_overrides_the_metrics_bind_address(tmp_path):
+    """One shared file binds loopback; each node's env file names its own private address."""
+    path = tmp_path / "c.toml"
+    path.write_text('[job]\nid = "demo"\nentrypoint = ["t.py"]\n[metrics]\nport = 9464\n'
+                    'addr = "127.0.0.1"\n')
+    assert load_config(path, env={}).metrics.addr == "127.0.0.1"
+    c = load_config(path, env={"ELASTICD_METRICS_ADDR": "10.0.1.21"})
+    assert (c.metrics.addr, c.metrics.port) == ("10.0.1.21", 9464)
+
+
 def test_bad_toml_and_missing_file(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[job\n")

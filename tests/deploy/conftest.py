@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,3 +42,28 @@ def node_copy(config: Path, tls_dir: Path, dest_dir: Path) -> Path:
     dest = dest_dir / config.name
     dest.write_text(text)
     return dest
+
+
+class NotifySocket:
+    """systemd's side of ``NOTIFY_SOCKET``: a datagram socket at ``path`` that keeps every
+    message a daemon sends (``READY=1``, ``STATUS=...``) in ``received``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+        self.received: list[str] = []
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(self.path)
+        self._sock.settimeout(0.2)
+
+    def until(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
+        """Receive until ``predicate()`` holds (True) or ``timeout_s`` passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):
+                self.received.append(self._sock.recv(4096).decode())
+            if predicate():
+                return True
+        return False
+
+    def close(self) -> None:
+        self._sock.close()

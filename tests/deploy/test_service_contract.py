@@ -10,17 +10,15 @@ notify and drain behaviour is tested in tests/daemon/test_drain.py.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 from elasticd import proctree
-from tests.deploy.conftest import DEPLOY, REPO
+from tests.deploy.conftest import DEPLOY, REPO, NotifySocket
 from tests.deploy.test_units import UNITS, one, parse_unit, seconds
 
 
@@ -30,22 +28,9 @@ def test_dev_config_under_the_unit_contract(fresh_etcd, tmp_path, job_id):
     stop_s = seconds(one(unit, "Service", "TimeoutStopSec"))
     watchdog_s = seconds(one(unit, "Service", "WatchdogSec"))
 
-    path = str(tmp_path / "notify.sock")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(path)
-    sock.settimeout(0.2)
-    received: list[str] = []
-
-    def until(predicate, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with contextlib.suppress(TimeoutError):
-                received.append(sock.recv(4096).decode())
-            if predicate():
-                return True
-        return False
-
-    env = {**os.environ, "NOTIFY_SOCKET": path, "WATCHDOG_USEC": str(int(watchdog_s * 1e6)),
+    notify = NotifySocket(tmp_path / "notify.sock")
+    received, until = notify.received, notify.until
+    env = {**os.environ, "NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": str(int(watchdog_s * 1e6)),
            "ELASTICD_ETCD_ENDPOINTS": fresh_etcd.endpoint, "ELASTICD_JOB_ID": job_id,
            "ELASTICD_NODE_ID": "node-a", "ELASTICD_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
            "TMPDIR": str(tmp_path)}   # the daemon's default run dir
@@ -78,4 +63,4 @@ def test_dev_config_under_the_unit_contract(fresh_etcd, tmp_path, job_id):
         if daemon.poll() is None:
             proctree.kill_tree(daemon.pid)
             daemon.wait()
-        sock.close()
+        notify.close()
