@@ -967,9 +967,14 @@ def _dead_peers(snap: Snapshot, mem: Memory, policy: Policy):
 
 def _trained_in_round(snap: Snapshot, mem: Memory) -> bool:
     """Whether our workers have stepped in the rendezvous' newest round (a loss there is
-    the in-place re-form's or the kill's, not a round still forming)."""
+    the in-place re-form's or the kill's, not a round still forming). Workers that have
+    reported nothing at all (a joiner's first round, before its first step) trained in no
+    round: goodput seed 11 stalled 40 s for good when a joiner's agent sat in a round whose
+    other new member was killed, taken as "a script that reports no generation"."""
     if snap.generation is None:
-        return True  # a script that reports no generation: the rounds are not ours to judge
+        # Progress without a generation: a script that reports none; its rounds are not
+        # ours to judge. No progress yet: these workers never stepped anywhere.
+        return snap.step is not None
     return snap.round is None or snap.generation.round >= snap.round
 
 

@@ -1033,9 +1033,21 @@ def test_workers_that_trained_in_the_round_leave_a_loss_to_the_in_place_path():
 
 
 def test_workers_that_report_no_generation_or_no_round_are_not_judged():
-    for s in (_forming(generation=None), _forming(round=None)):
+    for s in (_forming(generation=None, step=40), _forming(round=None)):
         first = d(s)
         assert d(replace(s, now=T + 3), first.memory).actions == ()
+
+
+def test_a_joiner_whose_workers_never_reported_is_released_from_a_round_naming_a_gone_agent():
+    """Goodput seed 11: a joiner's agent sat in round 9 with a member killed 3 s after the
+    close; its daemon took "no progress yet" for "a script without generations" and never
+    released it, and round 10 waited on the joiner's live agent for good (40 s, to the
+    trace's end). Nothing reported: these workers trained in no round."""
+    s = _forming(generation=None, step=None)
+    first = d(s)
+    assert first.memory.round_broken_since == T
+    out = d(replace(s, now=T + POLICY.broken_round_grace_s), first.memory)
+    assert out.kinds() == [Kind.KILL_AGENT, Kind.LEAVE_RENDEZVOUS, Kind.COUNT]
 
 
 def test_a_round_our_agent_is_not_in_is_not_one_it_waits_in():
