@@ -121,6 +121,55 @@ def test_a_node_frozen_in_a_forming_round_is_left_behind_within_the_bound(
     matches_the_replay(by_rank(survivors, True), tmp_path / "ckpt", final)
 
 
+def _kill_a_member_as_the_round_closes(client, keys: JobKeys, victim: DaemonNode, round_: int,
+                                       timeout_s: float = 90) -> float:
+    """SIGKILL ``victim``'s whole node the moment round ``round_``'s world record appears
+    (before its members' rank assignment and group init can finish): the moment."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if client.get(keys.rdzv_world(round_)) is not None:
+            victim.signal_tree(signal.SIGKILL)
+            return time.time()
+        time.sleep(0.002)
+    raise AssertionError(f"round {round_} never closed")
+
+
+def test_a_joiner_in_a_round_whose_old_member_died_at_its_close_is_released_too(
+        nodes, etcd_server, tmp_path, job_id):
+    """Goodput seed 11 (reproduced twice): a world of 2 (a, b); c joins; b dies the moment
+    the round that takes c closes. a's daemon released its agent from the broken round (its
+    workers trained in an older one), c's did not: its workers had reported nothing yet,
+    read as "a script without generations", and the next round waited on c's live agent
+    for good (no step for 40 s, to the trace's end). Now a and c train on as a world of 2."""
+    final = 900
+    kw = {"entrypoint": entry(final), "every_steps": 10, "min_nodes": 2, "max_nodes": 4,
+          "lease_ttl_s": LEASE_TTL_S}
+    for name in "ab":
+        nodes.append(DaemonNode(name, etcd_server.endpoint, job_id, tmp_path, kw).start())
+    wait_for(lambda: stepping_at(nodes, 2, 0) and all(n.progress()["step"] >= 15 for n in nodes),
+             150, "a world of 2 at step 15", nodes)
+    keys = JobKeys(job_id)
+    client = connect(etcd_server)
+    try:
+        pointer = client.get(keys.rdzv_round)
+        round_ = decode_pointer(pointer.value, pointer.key)[0]
+        nodes.append(DaemonNode("c", etcd_server.endpoint, job_id, tmp_path, kw).start())
+        killed_at = _kill_a_member_as_the_round_closes(client, keys, nodes[1], round_ + 1)
+    finally:
+        client.close()
+    survivors = [nodes[0], nodes[2]]
+    bound = LEASE_TTL_S + RESTART_BOUND_S
+    wait_for(lambda: _steps_after([nodes[2]], killed_at, 2), bound + 30,
+             "a and the joiner c to step as a world of 2", nodes)
+    pause = min(_steps_after(survivors, killed_at, 2)) - killed_at
+    print(f"liveness: a and c stepped {pause:.1f} s after b's kill (bound {bound} s)")
+    assert pause <= bound + 10
+    completed(survivors, timeout_s=240)
+    for node in survivors:
+        no_crash_counted(node)
+    matches_the_replay(by_rank(survivors, True), tmp_path / "ckpt", final)
+
+
 @pytest.mark.chaos   # a deliberately broken system, kept out of the default lane (~2 min)
 def test_the_liveness_invariant_bites_when_the_release_is_weakened_away(
         nodes, etcd_server, tmp_path, job_id):
