@@ -216,6 +216,9 @@ class SupervisorConfig:
     # round forms without it (a record naming a peer's new agent may lag its round by
     # about this much).
     broken_round_grace_s: float = 2.0
+    # false: an agent stays in such a round until torchrun's store timeout (torch's own
+    # behaviour, a stall of up to that timeout; for comparisons and weakened chaos runs).
+    release_broken_rounds: bool = True
     # The workers stop as diverged after this many agreed non-finite losses in a row and
     # the node is marked failed (a restart would diverge again); 0 disables the check.
     nonfinite_loss_limit: int = 3
@@ -243,6 +246,8 @@ class SupervisorConfig:
                  "use a number >= 2 (times the median step time)")
         _require(self.start_timeout_s > 0, "supervisor.start_timeout_s", self.start_timeout_s,
                  "use seconds > 0 (longer than your workers' start-up and checkpoint load)")
+        _require(isinstance(self.release_broken_rounds, bool), "supervisor.release_broken_rounds",
+                 self.release_broken_rounds, "use true or false")
         _require(self.broken_round_grace_s > 0, "supervisor.broken_round_grace_s",
                  self.broken_round_grace_s, "use seconds > 0 (2 s: a record's lag behind its round)")
 

@@ -594,6 +594,7 @@ def policy_from(config: Config) -> Policy:
         drain_grace_s=sup.drain_grace_s, hang_timeout_s=sup.hang_timeout_s,
         hang_floor_s=sup.hang_floor_s, hang_factor=sup.hang_factor,
         start_timeout_s=sup.start_timeout_s, broken_round_grace_s=sup.broken_round_grace_s,
+        release_broken_rounds=sup.release_broken_rounds,
         recovery_mode=config.recovery.mode,
         recovery_bound_s=config.recovery.bound_s,
         silent_suspect_s=float(config.node.lease_ttl_s))

@@ -146,6 +146,9 @@ class Policy:
     # its agent replaced) is waited in for this long before our agent is released from it
     # (a record that names a peer's new agent may be that much behind its round).
     broken_round_grace_s: float = 2.0
+    # False: our agent waits in such a round until torchrun's own store timeout (torch's
+    # behaviour; for comparisons and the liveness invariant's weakened run).
+    release_broken_rounds: bool = True
 
 
 @dataclass(frozen=True)
@@ -1013,8 +1016,8 @@ def _broken_round(snap: Snapshot, mem: Memory, policy: Policy):
     once where a member is known gone (``known_gone``: goodput seed 5 paused 12.2 s, 2 s of
     it this grace after the frozen member's eviction): it starts again at once, no failure
     counted, and joins the next round without it."""
-    if (mem.phase is not Phase.RUNNING or not _agent_running(snap)
-            or _trained_in_round(snap, mem)):
+    if (not policy.release_broken_rounds or mem.phase is not Phase.RUNNING
+            or not _agent_running(snap) or _trained_in_round(snap, mem)):
         return None
     mine = (snap.agent_addr, snap.agent_pid)
     gone = gone_members(snap, mem) if mine in snap.round_members else frozenset()

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from checkpointing import CheckpointManager
+from elasticd.local_cluster import record_time
 from tests.daemon_nodes import DaemonNode, log_lines, stepping_at, wait_for
 from tests.oracle import Run, max_rel_diff, norm_rel_diff, replay, step_history
 
@@ -110,10 +111,12 @@ def final_matches_replay(ckpt: Path, history: Mapping[int, Any],
     return final
 
 
-def no_crash_counted(node: DaemonNode) -> None:
+def no_crash_counted(node: DaemonNode, since: float | None = None) -> None:
     """``node``'s daemon counted no crash: no worker restart after a crash, no agent exit
-    against its budget (the sentence "... (failure 2 of 5) ...")."""
-    sentences = [e["event"] for e in log_lines(node)]
+    against its budget (the sentence "... (failure 2 of 5) ..."); ``since`` (a Unix time):
+    only in the lines logged after it (a scenario's fault, not its start-up's)."""
+    sentences = [e["event"] for e in log_lines(node)
+                 if since is None or (record_time(e) or since) >= since]
     assert not [s for s in sentences if "after a crash" in s or "(failure " in s], sentences
 
 

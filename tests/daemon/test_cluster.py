@@ -146,8 +146,10 @@ def test_a_node_whose_workers_cannot_start_names_their_error_when_it_is_marked_f
     assert a.proc.wait(timeout=120) == 3
     failed = [e for e in log_lines(a)
               if e.get("phase") == "failed" and "marking this node failed" in e["event"]]
-    assert failed and failed[0]["event"].endswith(
-        "; the workers' last error: PermissionError: [Errno 13] Permission denied: '/ckpt/job'"), failed
+    # In, not at the end: a bookkeeping note of the same cycle (the agent restarted its
+    # workers after a crash) follows the phase decision when both land in one cycle.
+    assert failed and ("; the workers' last error: PermissionError: [Errno 13] Permission "
+                       "denied: '/ckpt/job'") in failed[0]["event"], failed
 
 
 def test_sigkilled_daemon_leaves_no_orphans(etcd_server, cluster):

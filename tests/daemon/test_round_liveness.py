@@ -24,7 +24,6 @@ from elasticd.rendezvous.keys import JobKeys
 from elasticd.rendezvous.rounds import decode_pointer
 from tests.conftest import connect
 from tests.daemon.runs import (
-    by_rank,
     completed,
     entry,
     matches_the_replay,
@@ -71,13 +70,15 @@ def _drain_then_freeze_a_member_of_its_round(nodes, etcd_server, tmp_path, job_i
                                              extra: str = ""):
     """Four daemons at a world of 4; a drains (every agent re-rendezvous) and the second
     agent to join the next round has its whole node frozen: (leaver, frozen, survivors,
-    the moment of the freeze)."""
+    the moment of the freeze, the moment the world of 4 stepped: before it, start-up's
+    own faults are the restart path's and not the scenario's)."""
     kw = {"entrypoint": entry(final), "every_steps": 10, "min_nodes": 2, "max_nodes": 4,
           "lease_ttl_s": LEASE_TTL_S, "extra": extra}
     for name in "abcd":
         nodes.append(DaemonNode(name, etcd_server.endpoint, job_id, tmp_path, kw).start())
     wait_for(lambda: stepping_at(nodes, 4, 0) and all(n.progress()["step"] >= 15 for n in nodes),
              150, "a world of 4 at step 15", nodes)
+    steady = time.time()
     keys = JobKeys(job_id)
     client = connect(etcd_server)
     try:
@@ -88,7 +89,7 @@ def _drain_then_freeze_a_member_of_its_round(nodes, etcd_server, tmp_path, job_i
         frozen = _freeze_a_follower_of_the_next_round(client, keys, nodes[1:], round_ + 1)
     finally:
         client.close()
-    return leaver, frozen, [n for n in nodes[1:] if n is not frozen], time.time()
+    return leaver, frozen, [n for n in nodes[1:] if n is not frozen], time.time(), steady
 
 
 def _steps_after(survivors: list[DaemonNode], t: float, world: int | None = None) -> list[float]:
@@ -99,7 +100,7 @@ def _steps_after(survivors: list[DaemonNode], t: float, world: int | None = None
 def test_a_node_frozen_in_a_forming_round_is_left_behind_within_the_bound(
         nodes, etcd_server, tmp_path, job_id):
     final = 900
-    leaver, frozen, survivors, froze_at = _drain_then_freeze_a_member_of_its_round(
+    leaver, frozen, survivors, froze_at, steady = _drain_then_freeze_a_member_of_its_round(
         nodes, etcd_server, tmp_path, job_id, final)
     try:
         bound = LEASE_TTL_S + RESTART_BOUND_S
@@ -114,11 +115,11 @@ def test_a_node_frozen_in_a_forming_round_is_left_behind_within_the_bound(
     assert leaver.proc.wait(timeout=60) == 0, leaver.log_tail()
     completed(survivors, timeout_s=240)
     for node in survivors:
-        no_crash_counted(node)
+        no_crash_counted(node, since=steady)
     released = [s for n in survivors for s in (e["event"] for e in log_lines(n))
                 if "that are gone; restarting our agent" in s]
     print(f"releases: {released}")
-    matches_the_replay(by_rank(survivors, True), tmp_path / "ckpt", final)
+    matches_the_replay(survivors[0], tmp_path / "ckpt", final)
 
 
 def _kill_a_member_as_the_round_closes(client, keys: JobKeys, victim: DaemonNode, round_: int,
@@ -148,6 +149,7 @@ def test_a_joiner_in_a_round_whose_old_member_died_at_its_close_is_released_too(
         nodes.append(DaemonNode(name, etcd_server.endpoint, job_id, tmp_path, kw).start())
     wait_for(lambda: stepping_at(nodes, 2, 0) and all(n.progress()["step"] >= 15 for n in nodes),
              150, "a world of 2 at step 15", nodes)
+    steady = time.time()
     keys = JobKeys(job_id)
     client = connect(etcd_server)
     try:
@@ -166,19 +168,21 @@ def test_a_joiner_in_a_round_whose_old_member_died_at_its_close_is_released_too(
     assert pause <= bound + 10
     completed(survivors, timeout_s=240)
     for node in survivors:
-        no_crash_counted(node)
-    matches_the_replay(by_rank(survivors, True), tmp_path / "ckpt", final)
+        no_crash_counted(node, since=steady)
+    # a's records hold the whole run, c's start at its join; the rank-0 node may be c
+    # (ranks follow (addr, pid), and pids wrap late in CI: seen there).
+    matches_the_replay(nodes[0], tmp_path / "ckpt", final)
 
 
 @pytest.mark.chaos   # a deliberately broken system, kept out of the default lane (~2 min)
 def test_the_liveness_invariant_bites_when_the_release_is_weakened_away(
         nodes, etcd_server, tmp_path, job_id):
-    """The same freeze with the daemons' release from a broken round weakened to an hour
-    ([supervisor] broken_round_grace_s): the survivors' agents wait on the frozen member's
+    """The same freeze with the daemons' release from a broken round switched off
+    ([supervisor] release_broken_rounds = false): the survivors' agents wait on the frozen member's
     rank-assignment keys, nobody steps, and the invariant (elasticd.chaos.liveness, the one
     the chaos harness and the goodput benchmark check) reports the stall it owes."""
-    leaver, frozen, survivors, froze_at = _drain_then_freeze_a_member_of_its_round(
-        nodes, etcd_server, tmp_path, job_id, 900, extra="broken_round_grace_s = 3600")
+    leaver, frozen, survivors, froze_at, steady = _drain_then_freeze_a_member_of_its_round(
+        nodes, etcd_server, tmp_path, job_id, 900, extra="release_broken_rounds = false")
     bound = LEASE_TTL_S + RESTART_BOUND_S
     try:
         time.sleep(bound + 25)

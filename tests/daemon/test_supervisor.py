@@ -1018,6 +1018,14 @@ def test_a_member_whose_node_left_or_failed_is_gone_and_released_at_once(state):
     assert out.kinds() == [Kind.KILL_AGENT, Kind.LEAVE_RENDEZVOUS, Kind.COUNT]
 
 
+def test_release_broken_rounds_off_leaves_our_agent_in_the_round_as_torch_would():
+    """The weakened run's switch: even a member known gone (its node left) is waited on."""
+    off = replace(POLICY, release_broken_rounds=False)
+    d_peer = PeerView("d", "leaving", D_AGENT, 9, "127.0.0.1:9")
+    assert d(_forming(peers={"b": B, "d": d_peer}), policy=off).actions == ()
+    assert d(_forming(now=T + 3600), policy=off).actions == ()
+
+
 def test_a_member_the_majority_condemned_is_gone_though_its_record_lives():
     d_peer = PeerView("d", "running", D_AGENT, 9, "127.0.0.1:9")
     mem = replace(FORMING, condemned={"d": D_AGENT})
