@@ -12,6 +12,7 @@ this node. Both handlers (torch's rounds and keyed rounds) share this one rule.
 from __future__ import annotations
 
 import atexit
+import contextlib
 
 import structlog
 
@@ -33,12 +34,12 @@ class LeavesOnExit:
     def _leave_on_exit(self) -> None:
         if self._has_left:
             return
-        log.warning("agent exiting without a rendezvous shutdown (a signal); leaving the "
-                    "rendezvous open for the others")
+        _say_at_exit("agent exiting without a rendezvous shutdown (a signal); leaving the "
+                     "rendezvous open for the others")
         try:
             self._leave_once(success=False)
         except Exception as exc:  # noqa: BLE001 - at exit: the lease's expiry still evicts us
-            log.warning("could not leave the rendezvous at exit", reason=repr(exc)[:200])
+            _say_at_exit("could not leave the rendezvous at exit", reason=repr(exc)[:200])
 
     def _leave_once(self, success: bool) -> bool:
         if self._has_left:
@@ -48,3 +49,10 @@ class LeavesOnExit:
 
     def _leave(self, success: bool) -> bool:
         raise NotImplementedError
+
+
+def _say_at_exit(event: str, **fields: str) -> None:
+    """A warning that cannot fail: at interpreter exit the log stream may be closed
+    already (a test process's captured stdout), and the leave matters more than the line."""
+    with contextlib.suppress(ValueError, OSError):
+        log.warning(event, **fields)
