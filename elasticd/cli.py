@@ -72,21 +72,38 @@ def _refuse_a_bad_checkpoint_dir(config) -> None:  # noqa: ANN001 - a loaded Con
 def status(config_path: str, as_json: bool, events: int) -> None:
     """Job state, nodes, world size and round, newest checkpoint, recent events.
 
-    Exit status: 0 when the status was shown, whatever the job's state; 1 on a config
-    or etcd error; 4 when etcd holds no key of the job (a wrong `[job] id`, endpoint or
-    key prefix, or a job that never ran against this etcd): the message names the job,
-    the endpoints and the jobs that exist there.
+    \b
+    Exit status:
+      0  the job is running or completed
+      1  a config or etcd error
+      3  the job failed: every node is marked failed
+      4  unknown job: etcd holds no key of the job (a wrong `[job] id`, endpoint
+         or key prefix, or a job that never ran against this etcd); the message
+         names the job, the endpoints and the jobs that exist there; --json
+         prints {"job", "state": "unknown", "error", "jobs", ...} on stdout
+      5  the job is stalled: no live node, and not every node failed
+    A failed or stalled job's status is printed as any other's. 2 is click's
+    own exit status for a bad command line.
     """
-    from elasticd.status import NO_SUCH_JOB_EXIT_CODE, NoSuchJob, format_status, read_status
+    from elasticd.status import (
+        NO_SUCH_JOB_EXIT_CODE,
+        NoSuchJob,
+        exit_code,
+        format_status,
+        read_status,
+    )
 
     try:
         result = read_status(_load(config_path), events)
     except NoSuchJob as exc:
         click.echo(f"Error: {exc} (config: {config_path})", err=True)
+        if as_json:
+            click.echo(json.dumps(exc.to_json() | {"config": config_path}, indent=2))
         sys.exit(NO_SUCH_JOB_EXIT_CODE)
     except ElasticdError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(json.dumps(result, indent=2) if as_json else format_status(result))
+    sys.exit(exit_code(result))
 
 
 @main.command()

@@ -545,7 +545,15 @@ class Daemon:
             self.membership.leave()
         self.client.close()
         self.log.info("daemon stopped", phase=self.memory.phase.value, hard=self.memory.hard_stop,
-                      **self.run_dir_note())
+                      **self.last_words())
+
+    def last_words(self) -> dict[str, str]:
+        """The last line's notes: a run dir this daemon made up, and after a completed job
+        how to start the next run (``next_run_hint``)."""
+        notes = self.run_dir_note()
+        if self.memory.phase is Phase.COMPLETED:
+            notes["next_run"] = next_run_hint(self.config)
+        return notes
 
     def run_dir_note(self) -> dict[str, str]:
         """What the last line says about a run dir this daemon made up (none if configured)."""
@@ -554,6 +562,27 @@ class Daemon:
         return {"run_dir_kept": str(self.files.run_dir),
                 "note": "agent.log there holds the workers' output; delete the directory when "
                         "done, or set [node] run_dir to choose where it goes"}
+
+
+def next_run_hint(config: Config) -> str:
+    """How to start another run once this job completed: what the code requires.
+
+    ``/state`` says completed for good, and a daemon that reads it stops at once (the
+    ``_job_completed`` rule: "nothing left to run"), so the next run needs a job id with no
+    keys in etcd: a new one, or this one with its keys deleted (every daemon stopped). The
+    checkpoints carry no job id: the trainer's workers resume from the newest one in the
+    checkpoint directory, so a run from step 0 needs another (or an emptied) directory.
+    """
+    keys = JobKeys(config.job.id, config.etcd.key_prefix)
+    endpoints = ",".join(config.etcd.endpoints)
+    return (f"job {config.job.id!r} is complete and stays so ({keys.state} says completed; a "
+            f"daemon started with this job id again stops at once). To start the next run, give "
+            f"it a new [job] id (or ELASTICD_JOB_ID), or reuse this one after deleting its keys "
+            f"with every daemon stopped: etcdctl --endpoints={endpoints} del --prefix "
+            f"{keys.prefix} (with your etcd TLS and auth flags). Either way its workers resume "
+            f"from the newest checkpoint in {config.checkpoint.dir}: to train from step 0, point "
+            f"[checkpoint] dir (or ELASTICD_CHECKPOINT_DIR) at an empty directory "
+            f"(deploy/README.md, 'The next run')")
 
 
 ACTIONS: dict[Kind, Callable[[Daemon, Action], None]] = {

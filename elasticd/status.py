@@ -38,15 +38,40 @@ _NODE_FIELDS: dict[str, tuple[type, ...]] = {
 _NAMED = 5
 
 
-# `elasticd status`'s exit status when etcd holds no key of the job (cli.status says so).
-NO_SUCH_JOB_EXIT_CODE = 4
+# `elasticd status`'s exit statuses (cli.status's help and the README say so): 0 the status
+# was shown and the job is running or completed; 1 a config or etcd error (click's, as
+# every command's); 2 is click's own for a bad command line, so no job state uses it.
+NO_SUCH_JOB_EXIT_CODE = 4        # etcd holds no key of the job
+FAILED_EXIT_CODE = 3             # every node marked failed (what `elasticd run` exits with)
+STALLED_EXIT_CODE = 5            # no live node, and not every node failed
+STATE_EXIT_CODES = {"failed": FAILED_EXIT_CODE, "stalled": STALLED_EXIT_CODE}
 # How many job ids the no-such-job message names at most.
 _JOBS_LISTED = 20
 
 
+def exit_code(status: dict[str, Any]) -> int:
+    """``elasticd status``'s exit status for a job it found: non-zero for a job that needs an
+    operator (failed, stalled), 0 while it runs or once it completed."""
+    return STATE_EXIT_CODES.get(status.get("state"), 0)
+
+
 class NoSuchJob(ElasticdError):
     """etcd holds no key under the job's prefix: the job never ran against this etcd,
-    or the id, the endpoints or the key prefix are not the job's."""
+    or the id, the endpoints or the key prefix are not the job's.
+
+    ``jobs``: the job ids found under the key prefix (the first ``_JOBS_LISTED``), None
+    when they could not be listed; ``to_json`` is what ``status --json`` prints."""
+
+    def __init__(self, message: str, *, job: str, prefix: str, endpoints: tuple[str, ...],
+                 jobs: list[str] | None, more_jobs: bool = False) -> None:
+        super().__init__(message)
+        self.job, self.prefix, self.endpoints = job, prefix, endpoints
+        self.jobs, self.more_jobs = jobs, more_jobs
+
+    def to_json(self) -> dict[str, Any]:
+        return {"job": self.job, "state": "unknown", "error": str(self), "prefix": self.prefix,
+                "endpoints": list(self.endpoints), "jobs": self.jobs,
+                "jobs_truncated": self.more_jobs}
 
 
 def read_status(config: Config, events: int = 10) -> dict[str, Any]:
@@ -56,7 +81,7 @@ def read_status(config: Config, events: int = 10) -> dict[str, Any]:
     keys = JobKeys(config.job.id, config.etcd.key_prefix)
     try:
         if client.count_prefix(keys.prefix) == 0:
-            raise NoSuchJob(_no_such_job(client, keys, config.etcd.endpoints))
+            raise _no_such_job(client, keys, config.etcd.endpoints)
         return _read(client, keys, events)
     finally:
         client.close()
@@ -77,26 +102,27 @@ def job_ids(client: EtcdClient, root: str, most: int = _JOBS_LISTED) -> list[str
     return found
 
 
-def _no_such_job(client: EtcdClient, keys: JobKeys, endpoints: tuple[str, ...]) -> str:
+def _no_such_job(client: EtcdClient, keys: JobKeys, endpoints: tuple[str, ...]) -> NoSuchJob:
     where = ", ".join(endpoints)
     field = keys.root.count("/") + 2
     listing = (f"etcdctl --endpoints={where} get --prefix --keys-only {keys.root}/ "
                f"| cut -d/ -f{field} | sort -u")
-    return (f"no job {keys.job_id!r} in etcd: nothing under {keys.prefix} at {where} (no node "
-            f"record, no /state, no generation, no journal). Check `[job] id` in the config "
-            f"(or ELASTICD_JOB_ID), `[etcd] endpoints` and `key_prefix`. "
-            f"{_other_jobs(client, keys.root)} List them with: {listing}")
-
-
-def _other_jobs(client: EtcdClient, root: str) -> str:
+    root = keys.root
     try:
-        jobs = job_ids(client, root, _JOBS_LISTED + 1)
+        found: list[str] | None = job_ids(client, root, _JOBS_LISTED + 1)
     except EtcdError as exc:     # a job's etcd user may read its own prefix only
-        return f"The jobs under {root}/ could not be listed ({exc})."
-    if not jobs:
-        return f"etcd holds no job under {root}/ at all."
-    more = ", ..." if len(jobs) > _JOBS_LISTED else ""
-    return f"Jobs under {root}/: {', '.join(jobs[:_JOBS_LISTED])}{more}."
+        found, others = None, f"The jobs under {root}/ could not be listed ({exc})."
+    jobs = None if found is None else found[:_JOBS_LISTED]
+    more = found is not None and len(found) > _JOBS_LISTED
+    if found is not None:
+        others = (f"Jobs under {root}/: {', '.join(found[:_JOBS_LISTED])}{', ...' if more else ''}."
+                  if found else f"etcd holds no job under {root}/ at all.")
+    message = (f"no job {keys.job_id!r} in etcd: nothing under {keys.prefix} at {where} (no node "
+               f"record, no /state, no generation, no journal). Check `[job] id` in the config "
+               f"(or ELASTICD_JOB_ID), `[etcd] endpoints` and `key_prefix`. "
+               f"{others} List them with: {listing}")
+    return NoSuchJob(message, job=keys.job_id, prefix=keys.prefix, endpoints=endpoints,
+                     jobs=jobs, more_jobs=more)
 
 
 class _Warnings:

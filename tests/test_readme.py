@@ -39,3 +39,15 @@ def test_readme_plain_torchrun_example(etcd_server, tmp_path):
     assert codes == [0, 0], out[-3000:]
     assert "in a world of size 2" in out
     assert (tmp_path / "ck").exists()
+
+
+def test_readme_names_every_environment_override():
+    """The Configuration section's list of overrides is config.ENV_OVERRIDES, all of it
+    (ELASTICD_METRICS_ADDR was missing from it)."""
+    from elasticd.config import ENV_OVERRIDES
+
+    text = (REPO / "README.md").read_text()
+    listed = text.split("Environment overrides for per-node values and secrets:", 1)[1]
+    listed = listed.split("SIGHUP", 1)[0]
+    missing = [name for name in ENV_OVERRIDES if f"`{name}`" not in listed]
+    assert not missing, f"README's environment overrides lack {missing}"

@@ -66,6 +66,14 @@ TOLERANCE = 1e-9
 # a wrong batch or LR moves it by far more from that step on.
 LOSS_TOLERANCE = 1e-8
 STALL_S = 1.0   # a gap between two steps longer than this is an interruption (steps: ~0.07 s)
+# A shorter pause is a fault's recovery too when it begins right at the fault: an in-place
+# re-form stops the survivors for ~0.3 s, which a 1 s threshold read as "never stopped"
+# (the report said "0.0 s"). Short means longer than PAUSE_FACTOR x the median step
+# interval before the fault and at least PAUSE_FLOOR_S, beginning within PAUSE_ONSET_S of
+# the fault: a checkpoint's stall or a loaded machine's slow step seconds later is not it.
+PAUSE_FACTOR = 3.0
+PAUSE_FLOOR_S = 0.2
+PAUSE_ONSET_S = 1.0
 # A fault stops the steps while it lasts or soon after its heal (a lease expiring, a hang
 # detected, a restart: the liveness bound with the harness' 5 s lease), or not at all.
 ONSET_S = 20.0
@@ -101,7 +109,7 @@ class FaultMetrics:
 
     index: int
     kind: str
-    recovery_s: float | None     # fault -> first step after the interruption (0: none)
+    recovery_s: float | None     # fault -> first step after its pause (0: none; recovery_s())
     back_to_full_s: float | None  # fault -> every node stepping in a world of N again
     steps_lost: int | None       # steps done before a restart that it redid
     etcd_outage_s: float | None = None  # fault -> the last daemon-side etcd failure (0: none)
@@ -133,22 +141,40 @@ def _steps(records: Iterable[dict]) -> list[dict]:
 
 def recovery_s(records: list[dict], t_fault: float, t_until: float,
                onset_by: float = float("inf")) -> float | None:
-    """Fault -> the first step that ends the first interruption (a gap > STALL_S) after
-    it, before ``t_until``; 0.0 when the steps never stopped, or stopped first only after
-    ``onset_by`` (a later hiccup is not this fault's: the last fault of seed 41's overlap
-    run, an etcd quorum loss training never waited on, was charged a 2.2 s gap 579 s
-    later as a 581 s recovery); None if no step came."""
+    """Fault -> the first step that ends the first pause after it, before ``t_until``.
+
+    A pause is an interruption (a gap > STALL_S) that began by ``onset_by``, or a short
+    pause (``short_pause_s``: a few step intervals, e.g. an in-place re-form's 0.3 s)
+    that began within PAUSE_ONSET_S of the fault. 0.0 when the steps never paused, or
+    stopped first only after ``onset_by`` (a later hiccup is not this fault's: the last
+    fault of seed 41's overlap run, an etcd quorum loss training never waited on, was
+    charged a 2.2 s gap 579 s later as a 581 s recovery); None if no step came."""
     steps = _steps(records)
     before = [r["time"] for r in steps if r["time"] <= t_fault]
     after = [r["time"] for r in steps if t_fault < r["time"] < t_until]
     if not after:
         return None
+    short = short_pause_s(before)
     previous = before[-1] if before else t_fault
     for t in after:
-        if t - previous > STALL_S:
+        gap = t - previous
+        if gap > STALL_S:
             return t - t_fault if previous <= onset_by else 0.0
+        if gap > short and previous <= t_fault + PAUSE_ONSET_S:
+            return t - t_fault
         previous = t
     return 0.0
+
+
+def short_pause_s(times: list[float], last: int = 20) -> float:
+    """The gap between two steps that is a pause, not the cadence: PAUSE_FACTOR x the
+    median of the ``last`` intervals of ``times``, at least PAUSE_FLOOR_S (STALL_S with
+    fewer than two steps to tell the cadence from)."""
+    recent = times[-last - 1:]
+    intervals = sorted(b - a for a, b in zip(recent[:-1], recent[1:], strict=True))
+    if not intervals:
+        return STALL_S
+    return min(STALL_S, max(PAUSE_FLOOR_S, PAUSE_FACTOR * intervals[len(intervals) // 2]))
 
 
 def steps_lost(records: list[dict], t_fault: float, t_until: float) -> int:

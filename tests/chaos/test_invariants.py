@@ -86,6 +86,35 @@ def test_a_fault_the_job_never_noticed_costs_nothing_and_no_steps_at_all_is_none
     assert inv.recovery_s(records, records[-1]["time"] + 1, float("inf")) is None
 
 
+def _paused(records: list[dict], after_step: int, pause_s: float) -> list[dict]:
+    """``records`` with every step after ``after_step`` moved ``pause_s`` later."""
+    return [r | {"time": r["time"] + pause_s} if r["step"] > after_step else r for r in records]
+
+
+def test_a_pause_shorter_than_an_interruption_at_the_fault_is_its_recovery(tmp_path):
+    """An in-place re-form stops the survivors for ~0.3 s: that is the recovery, not 0.0 s
+    (the 1 s interruption threshold alone read it as "never stopped")."""
+    records = _paused(_records(), 45, 0.3)       # steps every 0.1 s; step 46 0.4 s after 45
+    t_fault = records[44]["time"] + 0.02          # just after step 45
+    assert inv.recovery_s(records, t_fault, float("inf")) == pytest.approx(0.38, abs=0.005)
+    (metrics,) = inv.fault_metrics(_result(tmp_path, records, [_fault(0, "node-kill", t_fault)]))
+    assert metrics.recovery_s == 0.38
+    assert "#0 node-kill 0.38 s/0 lost" in inv.check_recovery(
+        _result(tmp_path, records, [_fault(0, "node-kill", t_fault)]), [metrics]).detail
+
+
+def test_a_short_pause_seconds_after_the_fault_or_the_cadence_itself_is_not_a_recovery():
+    records = _paused(_records(), 45, 0.3)        # the same 0.4 s gap, now 2 s after the fault
+    t_fault = records[24]["time"] + 0.02
+    assert inv.recovery_s(records, t_fault, float("inf")) == 0.0
+    assert inv.recovery_s(_records(), records[10]["time"] + 0.01, float("inf")) == 0.0
+    slow = [r | {"time": T0 + 0.5 * i} for i, r in enumerate(_records())]   # 0.5 s steps
+    assert inv.recovery_s(slow, slow[10]["time"] + 0.01, float("inf")) == 0.0
+    assert inv.short_pause_s([T0, T0 + 0.1, T0 + 0.2]) == pytest.approx(0.3)
+    assert inv.short_pause_s([T0 + 0.01 * i for i in range(30)]) == inv.PAUSE_FLOOR_S
+    assert inv.short_pause_s([T0]) == inv.STALL_S
+
+
 def test_an_interruption_that_begins_long_after_the_fault_healed_is_not_its_recovery(tmp_path):
     records = _records(resume_at=(45, 40))        # a 3 s stop after step 45 (t = 4.4 s)
     t_fault = records[5]["time"]                  # a fault at step 6 that the job never noticed

@@ -34,3 +34,31 @@ def test_a_run_dir_the_daemon_made_up_is_named_in_its_last_line_and_a_configured
         assert made_up.files.run_dir.name.startswith("elasticd-a-")
     finally:
         made_up.files.run_dir.rmdir()
+
+
+def test_the_last_line_of_a_completed_job_says_how_to_start_the_next_run(tmp_path):
+    """A daemon started again on a completed job stops at once ("nothing left to run"):
+    its last line names what must change, a new job id or the old keys deleted, and that
+    the workers would resume from the same checkpoint directory."""
+    from dataclasses import replace
+
+    from elasticd.daemon import next_run_hint
+    from elasticd.supervisor import Phase
+
+    config = config_from_dict({
+        "job": {"id": "unit", "entrypoint": ["train.py"]},
+        "node": {"id": "a", "run_dir": str(tmp_path)},
+        "etcd": {"endpoints": ["10.0.0.1:2379", "10.0.0.2:2379"], "key_prefix": "/jobs"},
+        "checkpoint": {"dir": str(tmp_path / "ckpt")}})
+    hint = next_run_hint(config)
+    assert "job 'unit' is complete" in hint and "/jobs/unit/state says completed" in hint
+    assert "a new [job] id (or ELASTICD_JOB_ID)" in hint
+    assert ("etcdctl --endpoints=10.0.0.1:2379,10.0.0.2:2379 del --prefix /jobs/unit/"
+            in hint), hint
+    assert f"newest checkpoint in {tmp_path / 'ckpt'}" in hint and "[checkpoint] dir" in hint
+    daemon = Daemon(config)
+    assert "next_run" not in daemon.last_words()            # running, failed, drained: none
+    daemon.memory = replace(daemon.memory, phase=Phase.FAILED)
+    assert "next_run" not in daemon.last_words()
+    daemon.memory = replace(daemon.memory, phase=Phase.COMPLETED)
+    assert daemon.last_words() == {"next_run": hint}

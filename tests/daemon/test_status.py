@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from elasticd.cli import main
 from elasticd.rendezvous.keys import JobKeys
-from elasticd.status import NO_SUCH_JOB_EXIT_CODE
+from elasticd.status import FAILED_EXIT_CODE, NO_SUCH_JOB_EXIT_CODE, STALLED_EXIT_CODE
 
 
 @pytest.fixture
@@ -39,11 +39,12 @@ def good_node(node: str = "n1") -> dict:
             "daemon_pid": 122, "updated": time.time()}
 
 
-def status(config, *args: str) -> str:
-    """The command's stdout; it must exit 0 without an exception escaping it."""
+def status(config, *args: str, code: int = 0) -> str:
+    """The command's stdout; it must exit ``code`` (0: running or completed; the job's
+    state's otherwise) without an exception escaping it."""
     result = CliRunner().invoke(main, ["status", "--config", str(config), *args])
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exc_info
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == code, result.output
     # stderr may carry torch's own import-time logging; the command's output is stdout.
     assert "Traceback" not in result.stdout
     return result.stdout
@@ -152,7 +153,15 @@ def test_a_job_with_no_key_in_etcd_is_an_error_naming_it(client, tmp_path, etcd_
     for args in ((), ("--json",)):
         result = CliRunner().invoke(main, ["status", "--config", str(config), *args])
         assert result.exit_code == NO_SUCH_JOB_EXIT_CODE == 4, result.output
-        assert result.stdout == "", result.stdout
+        if args:
+            assert json.loads(result.stdout) == {
+                "job": job_id, "state": "unknown", "error": json.loads(result.stdout)["error"],
+                "prefix": f"{root}/{job_id}/", "endpoints": [etcd_server.endpoint],
+                "jobs": ["job-a", "job-b", f"{job_id}x"], "jobs_truncated": False,
+                "config": str(config)}
+            assert f"no job {job_id!r} in etcd" in json.loads(result.stdout)["error"]
+        else:
+            assert result.stdout == "", result.stdout
         err = result.stderr
         assert "running" not in err and "Traceback" not in err
         assert f"no job {job_id!r} in etcd: nothing under {root}/{job_id}/" in err, err
@@ -161,9 +170,32 @@ def test_a_job_with_no_key_in_etcd_is_an_error_naming_it(client, tmp_path, etcd_
         assert f"get --prefix --keys-only {root}/ | cut -d/ -f3" in err, err
 
 
-def test_the_no_such_job_exit_status_is_in_the_help():
+def test_the_exit_statuses_are_in_the_help():
     result = CliRunner().invoke(main, ["status", "--help"])
-    assert result.exit_code == 0 and "4 when etcd holds no key of the job" in result.output
+    out = " ".join(result.output.split())
+    assert result.exit_code == 0
+    assert "4 unknown job: etcd holds no key of the job" in out, out
+    assert f"{FAILED_EXIT_CODE} the job failed" in out and FAILED_EXIT_CODE == 3, out
+    assert f"{STALLED_EXIT_CODE} the job is stalled" in out and STALLED_EXIT_CODE == 5, out
+    assert '"state": "unknown"' in out
+
+
+def test_an_unknown_job_whose_jobs_cannot_be_listed_is_still_json(client, tmp_path, etcd_server,
+                                                                 job_id, monkeypatch):
+    """A job's etcd user may read its own prefix only: ``jobs`` is null, the error says why."""
+    from elasticd import status as status_module
+    from elasticd.errors import EtcdAuthError
+
+    def refuse(*_args, **_kw):
+        raise EtcdAuthError("permission denied")
+
+    monkeypatch.setattr(status_module, "job_ids", refuse)
+    config = write_config(tmp_path / "node.toml", job_id, etcd_server.endpoint)
+    result = CliRunner().invoke(main, ["status", "--config", str(config), "--json"])
+    assert result.exit_code == NO_SUCH_JOB_EXIT_CODE, result.output
+    parsed = json.loads(result.stdout)
+    assert parsed["state"] == "unknown" and parsed["jobs"] is None
+    assert "could not be listed (permission denied)" in parsed["error"]
 
 
 def test_job_ids_lists_each_job_once_and_stops_at_most(client):
@@ -196,7 +228,7 @@ def test_events_are_readable_lines_and_json_keeps_them_raw(client, config, job_i
     journal(client, keys, "n1", "node-failed", at + 2, reason="the agent exited 3 times\nwithout "
             "progress", step=41, world_size=2, round=2)
     journal(client, keys, "n1", "job-completed", at + 3)
-    out = status(config)
+    out = status(config, code=STALLED_EXIT_CODE)     # no node record, no /state
     lines = out.split("recent events:\n", 1)[1].splitlines()
     clock = time.strftime("%H:%M:%S", time.localtime(at))
     assert lines[0] == f"  {clock} n1               peer-lost n2: crashed (step 40, world size 3, round 2)"
@@ -206,7 +238,7 @@ def test_events_are_readable_lines_and_json_keeps_them_raw(client, config, job_i
                              "(step 41, world size 2, round 2)"), lines
     assert lines[3].endswith(" n1               job-completed"), lines
     assert not [line for line in lines if "{" in line or "'" in line], lines
-    events = json.loads(status(config, "--json"))["events"]
+    events = json.loads(status(config, "--json", code=STALLED_EXIT_CODE))["events"]
     assert events[0] == {"kind": "peer-lost", "node": "n1", "time": at, "peer": "n2",
                          "how": "crashed", "step": 40, "world_size": 3, "round": 2}
     assert events[1]["lost"] == ["n2"] and len(events) == 4
@@ -216,15 +248,17 @@ def test_events_shows_the_newest_entries(client, config, job_id):
     keys = JobKeys(job_id)
     for i in range(5):
         journal(client, keys, "n1", "progress", 1_000_000 + i, step=i)
-    steps = [e["step"] for e in json.loads(status(config, "--json", "--events", "2"))["events"]]
+    stalled = {"code": STALLED_EXIT_CODE}           # a journal, no node record
+    steps = [e["step"] for e in json.loads(status(config, "--json", "--events", "2",
+                                                  **stalled))["events"]]
     assert steps == [3, 4]
-    assert json.loads(status(config, "--json", "--events", "0"))["events"] == []
+    assert json.loads(status(config, "--json", "--events", "0", **stalled))["events"] == []
 
 
 # -- the job's state ---------------------------------------------------------------------------
 
-def first_line(config) -> str:
-    return status(config).splitlines()[0]
+def first_line(config, code: int = 0) -> str:
+    return status(config, code=code).splitlines()[0]
 
 
 def test_the_only_node_marked_failed_in_its_record_is_a_failed_job(client, config, job_id):
@@ -233,12 +267,12 @@ def test_the_only_node_marked_failed_in_its_record_is_a_failed_job(client, confi
     record = good_node() | {"state": "failed", "reason": "crashed 3 times without progress",
                             "agent_pid": None}
     client.put(keys.node("n1"), json.dumps(record).encode(), lease=lease)
-    out = status(config)
+    out = status(config, code=FAILED_EXIT_CODE)
     assert out.splitlines()[0] == (f"job {job_id}: failed: every node marked failed "
                                    "(n1: crashed 3 times without progress)"), out
     assert "running" not in out.splitlines()[0]
     assert "reason: crashed 3 times without progress" in out    # the node's own line
-    parsed = json.loads(status(config, "--json"))
+    parsed = json.loads(status(config, "--json", code=FAILED_EXIT_CODE))
     assert parsed["state"] == "failed"
     assert parsed["failed_nodes"] == {"n1": "crashed 3 times without progress"}
     client.revoke_lease(lease)
@@ -251,7 +285,8 @@ def test_a_failed_node_whose_record_is_gone_is_failed_by_the_journal(client, con
     journal(client, keys, "n1", "node-joined", at)
     journal(client, keys, "n1", "agent-failed", at + 1, exit_code=1)
     journal(client, keys, "n1", "node-failed", at + 2, reason="the workers diverged")
-    assert first_line(config) == f"job {job_id}: failed: every node marked failed (n1: the workers diverged)"
+    assert first_line(config, FAILED_EXIT_CODE) == (f"job {job_id}: failed: every node marked "
+                                                    "failed (n1: the workers diverged)")
 
 
 def test_one_of_two_nodes_failed_the_other_live_is_running_and_says_so(client, config, job_id):
@@ -271,15 +306,16 @@ def test_no_live_node_is_stalled_and_says_what_became_of_each(client, config, jo
     journal(client, keys, "n2", "node-left", at + 1)
     journal(client, keys, "n3", "node-failed", at + 2, reason="unfit")
     client.put(keys.node("n4"), json.dumps(good_node("n4") | {"state": "leaving"}).encode())
-    assert first_line(config) == (f"job {job_id}: stalled: no live node (n1: record gone; "
-                                  "n2: left; n3: failed: unfit; n4: record leaving)")
-    assert json.loads(status(config, "--json"))["state"] == "stalled"
+    assert first_line(config, STALLED_EXIT_CODE) == (
+        f"job {job_id}: stalled: no live node (n1: record gone; n2: left; n3: failed: unfit; "
+        "n4: record leaving)")
+    assert json.loads(status(config, "--json", code=STALLED_EXIT_CODE))["state"] == "stalled"
 
 
 def test_a_job_with_keys_but_no_node_anywhere_is_stalled(client, config, job_id):
     client.put(JobKeys(job_id).checkpoint_latest, json.dumps({"step": 3, "node": "n1"}).encode())
-    assert first_line(config) == (f"job {job_id}: stalled: no live node (no node record, and no "
-                                  "node in the journal)")
+    assert first_line(config, STALLED_EXIT_CODE) == (
+        f"job {job_id}: stalled: no live node (no node record, and no node in the journal)")
 
 
 def test_a_node_failed_then_restarted_is_live_again(client, config, job_id):
@@ -318,7 +354,9 @@ def agreed(client, keys: JobKeys, round_: int, seq: int, members: list[str], los
 
 
 def world_of(config) -> tuple[str, dict]:
-    return status(config).splitlines()[1], json.loads(status(config, "--json"))
+    """The world line and the JSON of a job with rounds but no node record (stalled)."""
+    return (status(config, code=STALLED_EXIT_CODE).splitlines()[1],
+            json.loads(status(config, "--json", code=STALLED_EXIT_CODE)))
 
 
 def test_a_generation_newer_than_the_round_is_the_world(client, config, job_id):
@@ -366,6 +404,6 @@ def test_a_malformed_generation_is_a_warning_and_the_rounds_world(client, config
     keys = JobKeys(job_id)
     keyed_round(client, keys, 5, 3)
     client.put(keys.generation, b'{"format": 1, "members": "all"}')
-    out = status(config)
+    out = status(config, code=STALLED_EXIT_CODE)
     assert "rendezvous round 5, 3 node(s) in the world, 0 waiting" in out
     assert f"warning: {keys.generation}: generation record field members" in out

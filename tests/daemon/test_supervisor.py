@@ -508,6 +508,14 @@ def test_job_completed_elsewhere_and_no_agent_completes():
     assert (out.actions, out.phase) == ((), Phase.COMPLETED)
 
 
+def test_a_daemon_started_on_a_completed_job_starts_nothing():
+    """What the last line of a completed job tells the operator (daemon.next_run_hint):
+    the same job id again stops at once."""
+    out = d(snap(job_state="completed"), Memory())
+    assert (out.actions, out.phase) == ((), Phase.COMPLETED)
+    assert out.reason == "the job completed; nothing left to run"
+
+
 def test_agent_failure_after_completion_elsewhere_is_not_a_failure():
     out = d(snap(agent_pid=AGENT, agent_exit=1, job_state="completed"))
     assert (out.actions, out.phase) == ((), Phase.COMPLETED)
