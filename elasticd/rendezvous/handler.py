@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
     RendezvousHandler,
@@ -65,6 +66,7 @@ from elasticd.errors import ConfigError, EtcdError
 from elasticd.etcd_client import EtcdClient, EtcdSettings, no_retry
 from elasticd.lease import LeaseKeeper
 from elasticd.rendezvous.backend import EtcdV3RendezvousBackend
+from elasticd.rendezvous.closed import DAEMON_PID_ENV, closed_message
 from elasticd.rendezvous.keyed import KeyedRendezvousHandler
 from elasticd.rendezvous.keys import (
     DEFAULT_ROOT,
@@ -73,7 +75,7 @@ from elasticd.rendezvous.keys import (
     ROUNDS,
     JobKeys,
 )
-from elasticd.rendezvous.leaving import LeavesOnExit
+from elasticd.rendezvous.leaving import LeavesOnExit, warn_giving_up
 from elasticd.rendezvous.rounds import Rules
 from elasticd.rendezvous.store import EtcdV3Store
 from elasticd.rendezvous.torch_compat import check_torch_apis, supports_cas_backoff
@@ -302,6 +304,7 @@ class EtcdV3RendezvousHandler(LeavesOnExit, dyn.DynamicRendezvousHandler):
     """
 
     companion: RecoveryCompanion | None = None   # recovery=in-place (set by create_handler)
+    closed_text: str | None = None   # the closed error's text (set by create_handler)
 
     @property
     def use_agent_store(self) -> bool:
@@ -311,8 +314,15 @@ class EtcdV3RendezvousHandler(LeavesOnExit, dyn.DynamicRendezvousHandler):
         if self.companion is not None:
             self.companion.leave_round()
         self._arm_leave_on_exit()
-        with _woken_by(self):
-            return self._next_rendezvous()
+        try:
+            with _woken_by(self):
+                return self._next_rendezvous()
+        except RendezvousClosedError as exc:
+            if self.closed_text is None or str(exc):
+                raise
+            # torch raises it bare, and torchrun prints it as its last line: say that the run
+            # completed and the fix instead (torch's frames below it add nothing).
+            raise RendezvousClosedError(self.closed_text) from None
 
     def _next_rendezvous(self) -> RendezvousInfo:
         info = super().next_rendezvous()
@@ -362,8 +372,7 @@ class EtcdV3RendezvousHandler(LeavesOnExit, dyn.DynamicRendezvousHandler):
         if success:
             return super().shutdown()
         self._stop_heartbeats()
-        log.warning("agent is giving up; leaving the rendezvous open for the others",
-                    node=repr(self._this_node), reason=repr(sys.exc_info()[1] or "a signal")[:200])
+        warn_giving_up(node=repr(self._this_node))
         try:
             with no_retry():
                 self._op_executor.run(dyn._RendezvousExitOp(),
@@ -477,6 +486,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         **cas_backoff_kwargs(params),
     )
     handler.companion = companion
+    handler.closed_text = closed_message(params.run_id, config.keys, config.etcd, config.ttl_s)
     return handler
 
 
@@ -485,7 +495,7 @@ def _companion(config: PluginConfig, client: EtcdClient, local_addr: str | None,
     """The agent's in-place recovery companion with ``recovery=in-place``, else None."""
     if config.recovery != "in-place":
         return None
-    if os.environ.get("ELASTICD_DAEMON_PID"):
+    if os.environ.get(DAEMON_PID_ENV):
         log.warning("rdzv-conf recovery=in-place is ignored under the elasticd daemon: the "
                     "daemon agrees the generations itself ([recovery] mode)")
         return None

@@ -49,8 +49,9 @@ from elasticd.errors import EtcdError
 from elasticd.etcd_client import EtcdClient, KeyValue, no_retry
 from elasticd.lease import LeaseKeeper
 from elasticd.rendezvous import BACKEND_NAME
+from elasticd.rendezvous.closed import closed_message
 from elasticd.rendezvous.keys import JobKeys
-from elasticd.rendezvous.leaving import LeavesOnExit
+from elasticd.rendezvous.leaving import LeavesOnExit, warn_giving_up
 from elasticd.rendezvous.rounds import (
     Agent,
     CorruptRoundError,
@@ -211,14 +212,18 @@ class KeyedRendezvousHandler(LeavesOnExit, RendezvousHandler):
             except RendezvousConnectionError as exc:
                 log.warning("could not close the rendezvous", reason=str(exc))
         else:
-            log.warning("agent is giving up; leaving the rendezvous open for the others",
-                        agent=self.agent.name, reason=repr(sys.exc_info()[1] or "a signal")[:200])
+            warn_giving_up(agent=self.agent.name)
         # Revoking the liveness lease removes this agent's liveness and join keys at once.
         self._alive.stop(revoke=True)
         self._alive_started = False
         return True
 
     # -- the steps ---------------------------------------------------------------------
+
+    def _closed_error(self) -> RendezvousClosedError:
+        # torchrun prints it as its last line: it says that the run completed and the fix.
+        return RendezvousClosedError(closed_message(self._run_id, self._keys,
+                                                    self._client.settings, self._run_lease.ttl_s))
 
     def _etcd(self, call: Callable[[], T]) -> T:
         try:
@@ -259,8 +264,7 @@ class KeyedRendezvousHandler(LeavesOnExit, RendezvousHandler):
         found, _ = self._etcd(lambda: self._client.get_many(
             [self._keys.rdzv_round, self._keys.rdzv_closed]))
         if self._keys.rdzv_closed in found:
-            raise RendezvousClosedError(f"the rendezvous of {self._run_id} is closed "
-                                        f"({self._keys.rdzv_closed} exists)")
+            raise self._closed_error()
         worlds, _ = self._etcd(lambda: self._client.list_prefix(self._keys.rdzv_worlds))
         rounds = [r for r in (self._keys.world_round(kv.key) for kv in worlds) if r is not None]
         pointed = self._pointer_round(found.get(self._keys.rdzv_round))
@@ -320,7 +324,7 @@ class KeyedRendezvousHandler(LeavesOnExit, RendezvousHandler):
             found, revision = self._etcd(lambda: self._client.get_many(
                 [world_key, self._keys.rdzv_closed, mine, self._keys.rdzv_round]))
             if self._keys.rdzv_closed in found:
-                raise RendezvousClosedError(f"the rendezvous of {self._run_id} was closed")
+                raise self._closed_error()
             if world_key in found:
                 return self._decode_world(found[world_key], round_)
             pointer = found.get(self._keys.rdzv_round)

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import sys
 
 import structlog
+from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 log = structlog.get_logger(__name__)
 
@@ -49,6 +51,20 @@ class LeavesOnExit:
 
     def _leave(self, success: bool) -> bool:
         raise NotImplementedError
+
+
+def warn_giving_up(**fields: str) -> None:
+    """The line of an agent that leaves without success (both handlers' ``_leave``)."""
+    exc = sys.exc_info()[1]
+    if isinstance(exc, RendezvousClosedError):
+        # Nothing is left open for anyone: the run is over. The error's own text (what
+        # happened, and the fix) is torchrun's last line right after this one; cut to 200
+        # characters here it would end before the fix.
+        log.warning("the rendezvous is closed; this agent exits (why, and the fix: the "
+                    "RendezvousClosedError that follows)", **fields)
+        return
+    log.warning("agent is giving up; leaving the rendezvous open for the others", **fields,
+                reason=repr(exc or "a signal")[:200])
 
 
 def _say_at_exit(event: str, **fields: str) -> None:

@@ -12,6 +12,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from elasticd.embedded_etcd import EmbeddedEtcd, free_port
 from elasticd.errors import ConfigError, EtcdAuthError, EtcdUnavailable
 from elasticd.etcd_client import EtcdClient, EtcdSettings
+from elasticd.rendezvous.closed import DAEMON_PID_ENV, closed_message
 from elasticd.rendezvous.handler import create_handler, parse_params
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,6 +51,33 @@ def test_bad_endpoint(endpoint, message):
 def test_bad_run_id():
     with pytest.raises(ConfigError, match="job id 'Has Space' is not valid"):
         parse_params(RendezvousParameters("etcd3", "127.0.0.1:2379", "Has Space", 1, 2))
+
+
+def test_the_closed_error_names_the_etcdctl_command_with_the_agents_tls_and_user(tmp_path, monkeypatch):
+    """The fix printed for a closed rendezvous is the command to run as is: this agent's
+    endpoints (https for TLS), TLS files and user, never the password."""
+    files = {name: tmp_path / f"{name}.pem" for name in ("ca", "cert", "key")}
+    for path in files.values():
+        path.write_text("x")
+    config = parse_params(params("10.0.0.1:2379,10.0.0.2:2379", protocol="https", ttl="60",
+                                 key_prefix="/train", ca_cert=str(files["ca"]),
+                                 ssl_cert=str(files["cert"]), ssl_cert_key=str(files["key"]),
+                                 user="alice", password="s3cret"))
+    monkeypatch.delenv(DAEMON_PID_ENV, raising=False)
+    text = closed_message("job-1", config.keys, config.etcd, config.ttl_s)
+    assert text.startswith("the rendezvous of run 'job-1' is closed: a run with this id completed")
+    assert "(--rdzv-conf ttl=60 s after that run's agents exited)" in text
+    assert text.endswith(
+        "Start the next run with a new --rdzv-id, or reuse this one after deleting its keys with "
+        "every agent stopped: etcdctl --endpoints=https://10.0.0.1:2379,https://10.0.0.2:2379 "
+        f"--cacert={files['ca']} --cert={files['cert']} --key={files['key']} --user=alice "
+        "del --prefix /train/job-1/")
+    assert "s3cret" not in text
+    # Under the daemon the run id is its [job] id, and the daemons are what must stop.
+    monkeypatch.setenv(DAEMON_PID_ENV, "1")
+    text = closed_message("job-1", config.keys, config.etcd, config.ttl_s)
+    assert "Start the next run with a new [job] id (or ELASTICD_JOB_ID)" in text
+    assert "([rendezvous] ttl=60 s" in text and "with every daemon stopped: etcdctl" in text
 
 
 def test_unreachable_etcd_names_every_endpoint_tried():

@@ -122,7 +122,7 @@ def test_a_full_world_does_not_restart_for_a_spare_and_the_spare_times_out(make)
     assert members[0].num_nodes_waiting() == 0
 
 
-def test_only_a_successful_shutdown_closes_the_rendezvous(make):
+def test_only_a_successful_shutdown_closes_the_rendezvous(make, job_id):
     handlers = [make(i) for i in range(2)]
     rendezvous_all(handlers)
     try:
@@ -132,7 +132,9 @@ def test_only_a_successful_shutdown_closes_the_rendezvous(make):
     assert not handlers[0].is_closed()
     handlers[0].shutdown()                # success
     assert handlers[1].is_closed()
-    with pytest.raises(RendezvousClosedError):
+    # The error says what happened and names the keys to delete (torchrun prints it last).
+    with pytest.raises(RendezvousClosedError, match=f"is closed: a run with this id completed.*"
+                                                    f"del --prefix /elasticd/{job_id}/$"):
         make(3).next_rendezvous()
 
 
