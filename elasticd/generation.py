@@ -107,6 +107,11 @@ class GenerationRecord:
     lost: tuple[str, ...] = ()          # the nodes this generation left behind
     cause: str = ""                     # why it was made (peer-crashed, peer-silent, ...)
     created: float = field(default=0.0, compare=False)  # wall clock, for people
+    # A planned change (a join, a drain): the current world agrees the step it takes
+    # effect after, so it releases no collective; a loss's record (False) takes effect at
+    # once. ``joined``: the members new in it, who enter with no state of their own.
+    planned: bool = False
+    joined: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _require(len(self.members) >= 1, "members", list(self.members), "at least one member")
@@ -120,6 +125,11 @@ class GenerationRecord:
         _require(len(set(nodes)) == len(nodes), "members", nodes, "distinct node ids")
         _require(self.store is None or is_endpoint(self.store), "store", self.store,
                  "HOST:PORT")
+        _require(isinstance(self.planned, bool), "planned", self.planned, "true or false")
+        _require(set(self.joined) <= set(nodes), "joined", list(self.joined),
+                 "members of this generation")
+        _require(not self.joined or self.planned, "joined", list(self.joined),
+                 "none unless planned is true (a join is a planned change)")
 
     @property
     def world_size(self) -> int:
@@ -150,7 +160,7 @@ class GenerationRecord:
             "members": [{"node": m.node, "first_rank": m.first_rank, "nproc": m.nproc}
                         for m in self.members],
             "store": self.store, "lost": list(self.lost), "cause": self.cause,
-            "created": self.created,
+            "created": self.created, "planned": self.planned, "joined": list(self.joined),
         }, sort_keys=True)
 
     @classmethod
@@ -166,10 +176,13 @@ class GenerationRecord:
                 f"{str(raw)[:120]!r}")
         members = raw.get("members")
         lost = raw.get("lost", [])
+        joined = raw.get("joined", [])
         _require(isinstance(members, list) and all(isinstance(m, dict) for m in members),
                  "members", members, "a list of {node, first_rank, nproc} objects")
         _require(isinstance(lost, list) and all(isinstance(n, str) for n in lost), "lost", lost,
                  "a list of node ids")
+        _require(isinstance(joined, list) and all(isinstance(n, str) for n in joined), "joined",
+                 joined, "a list of node ids")
         _require(isinstance(raw.get("cause", ""), str), "cause", raw.get("cause"), "a string")
         created = raw.get("created", 0.0)
         _require(isinstance(created, (int, float)) and not isinstance(created, bool), "created",
@@ -179,7 +192,7 @@ class GenerationRecord:
             members=tuple(Member(m.get("node"), m.get("first_rank"), m.get("nproc"))
                           for m in members),
             store=raw.get("store"), lost=tuple(lost), cause=raw.get("cause", ""),
-            created=float(created),
+            created=float(created), planned=raw.get("planned", False), joined=tuple(joined),
         )
 
 
@@ -207,6 +220,27 @@ def shrink(base: GenerationRecord, lost: Iterable[str], stores: Mapping[str, str
         return None
     return GenerationRecord(base.id.next(), renumber(survivors), stores[survivors[0][0]],
                             tuple(sorted(gone)), cause, created)
+
+
+def grow(base: GenerationRecord, joiners: Iterable[tuple[str, int]], store: str | None = None,
+         cause: str = "join", created: float = 0.0) -> GenerationRecord:
+    """The next generation of ``base`` with ``joiners`` (``(node, nproc)`` pairs) after its
+    members: a planned change, so the members keep their ranks and rank 0 stays rank 0;
+    the group forms through ``store`` (rank 0's daemon's; default: ``base``'s)."""
+    joiners = list(joiners)
+    new = [(n, p) for n, p in joiners if base.member(n) is None]
+    _require(bool(new), "joined", [n for n, _ in joiners], "at least one node not yet a member")
+    members = renumber([(m.node, m.nproc) for m in base.members] + new)
+    return GenerationRecord(base.id.next(), members, store or base.store, (), cause, created,
+                            planned=True, joined=tuple(n for n, _ in new))
+
+
+def drain(base: GenerationRecord, leavers: Iterable[str], stores: Mapping[str, str],
+          created: float = 0.0) -> GenerationRecord | None:
+    """The next generation of ``base`` without the draining ``leavers``: ``shrink``'s, but
+    planned (the leavers stop after the step the world agrees, the others re-form then)."""
+    record = shrink(base, leavers, stores, "drain", created)
+    return None if record is None else replace(record, planned=True)
 
 
 @dataclass(frozen=True)

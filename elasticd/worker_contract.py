@@ -82,6 +82,10 @@ def _positive_int(value: Any) -> bool:
     return value >= 1
 
 
+def _flag(value: Any) -> bool:
+    return value in (0, 1)
+
+
 def _non_negative(value: Any) -> bool:
     return value >= 0
 
@@ -151,6 +155,10 @@ class WorkerSettings:
     generation_file: str | None = setting(
         str, "the generation record for these workers (in-place re-forms; the daemon's, or the "
         "etcd3 plugin's with recovery=in-place)")
+    joining: int = setting(
+        int, "1: this worker enters a live group in place (a newcomer: the generation file's "
+        "next record names its node among the joined; no checkpoint is read, the newest state "
+        "comes from a live peer)", default=0, check=_flag, expected="0 or 1")
     reform: str = setting(
         str, "how an in-place re-form rebuilds the group: auto (torch's reconfigure where the "
         "backend has it, else destroy + init) or destroy-init", default="auto",

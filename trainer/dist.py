@@ -121,15 +121,7 @@ def init_distributed(
     ctx = ctx or ElasticContext.from_env()
     if dist.is_initialized():  # the script's own init_process_group: its backend decides
         return device_for(ctx, dist.get_backend())
-    backend = choose_backend(backend)
-    device = device_for(ctx, backend)
-    if is_nccl(backend):
-        # In place, a failed collective must leave the process alive to re-form: 2 (clean
-        # up the communicator only) instead of 1 (also kill the process).
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2" if ctx.in_place else "1")
-        torch.cuda.set_device(device)
-        if ctx.in_place and ctx.reform == "auto" and backend == "nccl":
-            backend = reform.nccl_backend()
+    backend, device = prepare_backend(ctx, backend)
     os.environ.setdefault("MASTER_ADDR", ctx.master_addr)
     os.environ.setdefault("MASTER_PORT", str(ctx.master_port))
     mechanism = reform.DESTROY_INIT
@@ -149,6 +141,22 @@ def init_distributed(
              world_size=ctx.world_size, device=str(device), timeout_s=timeout.total_seconds(),
              reform=mechanism)
     return device
+
+
+def prepare_backend(ctx: ElasticContext, backend: str = "auto") -> tuple[str, torch.device]:
+    """The backend to create this worker's group with, and its device (bound on CUDA).
+
+    In place, a failed NCCL collective must leave the process alive to re-form:
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (clean up the communicator only) instead of 1
+    (also kill the process), and a reconfigurable group goes through ``nccl2``."""
+    backend = choose_backend(backend)
+    device = device_for(ctx, backend)
+    if is_nccl(backend):
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2" if ctx.in_place else "1")
+        torch.cuda.set_device(device)
+        if ctx.in_place and ctx.reform == "auto" and backend == "nccl":
+            backend = reform.nccl_backend()
+    return backend, device
 
 
 def _create_in_place_group(ctx: ElasticContext, backend: str, device: torch.device,
@@ -258,13 +266,16 @@ class Agreed:
     stop: bool
     loss: float | None  # the global loss of ``step`` (summed over ranks, / the divisor)
     every: int  # steps from ``step`` to the next post
+    change: bool = False  # every rank had seen a planned generation (trainer.recover)
 
 
 class Agreement:
-    """The ranks' agreement (any rank stopping? the loss), read one step after its post.
+    """The ranks' agreement (any rank stopping? every rank seen a planned membership
+    change? the loss), read one step after its post.
 
     ``after_step`` is called by every rank after every step. On a post step it starts an
-    asynchronous all-reduce of [stop, loss sum, the rank's mean step time in us, 1]; the
+    asynchronous all-reduce of [stop, loss sum, the rank's mean step time in us, 1,
+    change seen]; the
     next step reads it (the reduction ran in the background during that step, so the
     wait costs nothing in steady state: no blocking collective of its own). Posts are
     ``agree_every`` steps apart, fitted to ``interval_s`` from the agreed step time, so
@@ -287,31 +298,35 @@ class Agreement:
         self._mark: tuple[int, float] | None = None  # (step, time) of the last post
 
     def after_step(self, step: int, stop: bool, loss_sum: float | torch.Tensor | None,
-                   loss_divisor: float = 1.0) -> Agreed | None:
+                   loss_divisor: float = 1.0, change: bool = False) -> Agreed | None:
         """This rank finished ``step``: read the agreement in flight (posted after an
-        earlier step), post the next one when due; what was agreed, or None."""
+        earlier step), post the next one when due; what was agreed, or None. ``change``:
+        this rank has seen a planned membership change. Once one is agreed (or a stop)
+        nothing is posted: the group is about to be left, with no collective in flight."""
         agreed = None
         if self._pending is not None and step > self._pending[3]:
             agreed = self.result()
+        if agreed is not None and (agreed.change or agreed.stop):
+            return agreed
         if self._pending is None and step >= self._next:
-            self._post(step, stop, loss_sum, loss_divisor)
+            self._post(step, stop, loss_sum, loss_divisor, change)
         return agreed
 
     def _post(self, step: int, stop: bool, loss_sum: float | torch.Tensor | None,
-              divisor: float) -> None:
+              divisor: float, change: bool = False) -> None:
         now = self._clock()
         mean_us = 0
         if self._mark is not None and step > self._mark[0]:
             mean_us = round(1e6 * (now - self._mark[1]) / (step - self._mark[0]))
         self._mark = (step, now)
-        flag = 1.0 if stop else 0.0
+        flag, seen = (1.0 if stop else 0.0), (1.0 if change else 0.0)
         if self.device.type == "cpu":  # one tensor build (element writes cost ~65 us here)
             loss = loss_sum.detach() if isinstance(loss_sum, torch.Tensor) else loss_sum
-            buf = torch.tensor([flag, 0.0 if loss is None else float(loss), mean_us, 1.0],
+            buf = torch.tensor([flag, 0.0 if loss is None else float(loss), mean_us, 1.0, seen],
                                dtype=torch.float64)
         else:  # no .item() and no host copy: either would wait for the step queued behind
-            buf = torch.zeros(4, dtype=torch.float64, device=self.device)
-            buf[0], buf[2], buf[3] = flag, mean_us, 1.0
+            buf = torch.zeros(5, dtype=torch.float64, device=self.device)
+            buf[0], buf[2], buf[3], buf[4] = flag, mean_us, 1.0, seen
             if loss_sum is not None:
                 buf[1] = loss_sum.detach() if isinstance(loss_sum, torch.Tensor) else loss_sum
         with _translated("stop agreement"):
@@ -336,11 +351,11 @@ class Agreement:
                 work.wait()
             if event is not None:
                 event.synchronize()
-        stop, loss, step_us, ranks = buf.tolist()
+        stop, loss, step_us, ranks, seen = buf.tolist()
         every = agree_every(int(step_us) // max(1, int(ranks)), self.interval_us)
         self._next = step + every
         return Agreed(step=step, stop=stop > 0, loss=None if divisor is None else loss / divisor,
-                      every=every)
+                      every=every, change=ranks > 0 and seen == ranks)
 
     def discard(self) -> None:
         """Forget a reduction of a group that is gone (an in-place re-form posts anew)."""

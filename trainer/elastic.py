@@ -40,7 +40,9 @@ import structlog
 import torch
 
 from checkpointing.errors import StaleGenerationError, StorageFullError
+from elasticd.generation import GenerationRecord
 from trainer import dist as tdist
+from trainer import inplace
 from trainer.context import ElasticContext
 from trainer.divergence import DivergenceCheck
 from trainer.errors import ConfigError, TrainingDiverged
@@ -57,7 +59,7 @@ from trainer.logs import configure_logging
 from trainer.lr import LRScale, Schedule, start_scale
 from trainer.nonfinite import FirstBad, Suspects, attribute, position, sampler_span, weights_finite
 from trainer.progress import ProgressReporter
-from trainer.recover import InPlace
+from trainer.recover import InPlace, enter_live
 from trainer.state import Stateful, TrainState
 from trainer.stop import StopRequest
 from trainer.watchdog import OrphanWatchdog
@@ -149,6 +151,8 @@ class ElasticState:
         self._last_save = time.monotonic()
         self._closed = False
         self._stale: StaleGenerationError | None = None
+        self._watch: inplace.GenerationWatch | None = None  # the planned-change watch
+        self.entered_live = False  # a newcomer that took its state from a live peer
         if start:
             self.supervise()
             self.start()
@@ -182,6 +186,8 @@ class ElasticState:
     def start(self, device: torch.device | None = None) -> None:
         """Join the process group (if the script has not), catch the stop signals, open
         checkpoints, resume."""
+        if device is None and self.ctx.joining and not self.entered_live:
+            device = enter_live(self, on_world=self._reshard)
         self.device = device or tdist.init_distributed(self.ctx)
         # Only now: a worker blocked in the process group's connect (C++, so a Python
         # handler never runs) must die of SIGTERM at once, not 30 s later by torchrun's
@@ -190,7 +196,10 @@ class ElasticState:
         self.stop.install()
         self.agreement = tdist.Agreement(self.device, self.agree_interval_s)
         self.open_checkpoints()
-        self.resume()
+        if self.entered_live:
+            self._updates_at_done = self.lr.updates  # the state came from a live peer
+        else:
+            self.resume()
 
     def open_checkpoints(self) -> None:
         directory = self.ctx.checkpoint_dir
@@ -299,7 +308,7 @@ class ElasticState:
         self._updates_at_done = self.lr.updates
         assert self.agreement is not None, "start() first"
         agreed = self.agreement.after_step(st.step, self.stop.requested(), loss_sum,
-                                           loss_divisor)
+                                           loss_divisor, change=self.planned() is not None)
         self._take(agreed)
         if agreed is not None and agreed.stop and not (last and last()):
             self.report("step")  # every step done gets its line; "stopped" follows
@@ -308,9 +317,43 @@ class ElasticState:
                 self.close()
                 self._exit(code)
             return True
+        if agreed is not None and agreed.change and not (last and last()):
+            self.report("step")
+            self._take_change()
         saved = self.periodic_checkpoint()
         self.report("checkpoint" if saved else "step")
         return False
+
+    def planned(self) -> GenerationRecord | None:
+        """The planned membership change (a join, a drain) in this worker's generation
+        file, when its loop can take it in place (``run`` or ``ElasticTrainer``); else None."""
+        if not (self.ctx.in_place and self.progress.publish_generation):
+            return None
+        gid = self.ctx.generation_id
+        assert self.ctx.generation_file is not None and gid is not None  # ctx.in_place says so
+        if self._watch is None or self._watch.mine != gid:
+            self._watch = inplace.GenerationWatch(self.ctx.generation_file, gid)
+        record = self._watch.newer()
+        return record if record is not None and record.planned else None
+
+    def _take_change(self) -> None:
+        """Every rank saw a planned change after this step: leave the loop for the re-form
+        (``MembershipChange``), or, where the new generation does not name this node (a
+        drain), commit the step if this is rank 0 and exit as stopped."""
+        record = self.planned()
+        if record is None:
+            return  # superseded by a loss's record since: the guard releases for that one
+        if record.rank_of(self.ctx.node_id or "", self.ctx.local_rank) is not None:
+            raise inplace.MembershipChange(record)
+        log.info(f"generation {record.id} leaves this node out ({record.cause or 'planned'}); "
+                 f"stopping after step {self.state.step}")
+        # The survivors hold the same state; a commit the new world's fence refuses is
+        # theirs to make, not lost.
+        with contextlib.suppress(StaleGenerationError):
+            self.commit_final("drain")
+        self.report("stopped", stop_reason="left")
+        self.close()
+        self._exit(STOP_EXIT_CODE)
 
     def _advance_sampler(self, samples: int | None) -> None:
         if samples is not None:
@@ -337,12 +380,13 @@ class ElasticState:
         recovery = InPlace(self, tdist.DEFAULT_TIMEOUT, ddp_kwargs, on_world=self._reshard)
         self.progress.publish_generation = self.ctx.in_place  # the daemons may re-form it
         recovery.install_guard()
-        model = recovery.wrap(self.state.model)
+        model = recovery.wrap(self.state.model, reformed=self.entered_live)
         while True:
             try:
                 train(model)
             except Exception as exc:
-                collective = tdist.is_collective_failure(exc) or tdist.guard_released()
+                collective = (isinstance(exc, inplace.MembershipChange)
+                              or tdist.is_collective_failure(exc) or tdist.guard_released())
                 reformed = recovery.recover(exc, model) if collective else None
                 if reformed is None:
                     raise

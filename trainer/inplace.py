@@ -65,6 +65,16 @@ class Superseded(ReformError):
         self.record = record
 
 
+class MembershipChange(Exception):  # noqa: N818 - an event the loop is left by, not an error
+    """Every rank agreed, after the same step, to take ``record``: a planned change (a
+    join, a drain) the daemons agreed. Raised out of the loop at that step boundary; the
+    re-form (trainer.recover) takes the group into it with no collective failed."""
+
+    def __init__(self, record: GenerationRecord) -> None:
+        super().__init__(f"generation {record.id} ({record.cause or 'planned'}) agreed")
+        self.record = record
+
+
 class Released(Exception):
     """The daemon named a newer generation while this worker waited on its old group."""
 

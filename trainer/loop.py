@@ -40,6 +40,7 @@ import torch
 
 from checkpointing.errors import StaleGenerationError
 from trainer import dist as tdist
+from trainer import inplace
 from trainer.batching import BatchPlan, micro_batches, plan_batches, shard
 from trainer.context import ElasticContext
 from trainer.elastic import ElasticState, checkpoint_due
@@ -47,7 +48,7 @@ from trainer.errors import ConfigError, TrainingDiverged
 from trainer.exitcodes import FAILURE_EXIT_CODE, STOP_EXIT_CODE
 from trainer.fitness import NodeUnfit, PeerUnfit
 from trainer.lr import Schedule
-from trainer.recover import InPlace
+from trainer.recover import InPlace, enter_live
 from trainer.sampler import ElasticSampler
 from trainer.state import TrainState, reseed, step_seed
 
@@ -186,11 +187,16 @@ class ElasticTrainer:
         return code
 
     def _setup(self) -> None:
-        self.device = tdist.init_distributed(self.ctx, self.config.backend, self.config.timeout)
+        if self.ctx.joining:  # a newcomer: the group and the state of a live world
+            self.device = enter_live(self.es, self.config.backend, self.config.timeout,
+                                     on_world=self._replan)
+        else:
+            self.device = tdist.init_distributed(self.ctx, self.config.backend,
+                                                 self.config.timeout)
         self.state.model.to(self.device)
         self.recovery.install_guard()
         self.es.start(self.device)  # the stop signals are caught from here (see start)
-        self.ddp = self.recovery.wrap(self.state.model)
+        self.ddp = self.recovery.wrap(self.state.model, reformed=self.es.entered_live)
 
     def _close(self) -> StaleGenerationError | None:
         """Finish the in-flight save; returns its StaleGenerationError if it was refused."""
@@ -217,7 +223,7 @@ class ElasticTrainer:
         while True:
             try:
                 return self._train()
-            except tdist.CollectiveError as exc:
+            except (tdist.CollectiveError, inplace.MembershipChange) as exc:
                 ddp = self.recovery.recover(exc, self.ddp)
                 if ddp is None:
                     raise

@@ -27,8 +27,10 @@ log = structlog.get_logger(__name__)
 # second and the first step after each event, not a rewrite per step.
 FILE_INTERVAL_S = 0.25
 
+# "warm": a newcomer (ELASTICD_JOINING=1) is ready (imports, model, device) and waits to be
+# admitted by a generation that names its node among the joined.
 EVENTS = ("step", "resumed", "checkpoint", "stopped", "completed", "reformed", "reform-failed",
-          "diverged", "unfit", "peer-unfit")
+          "diverged", "unfit", "peer-unfit", "warm")
 
 
 def write_atomic(path: str, text: str) -> None:

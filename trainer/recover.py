@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -26,12 +27,15 @@ import structlog
 import torch
 
 from checkpointing.errors import StaleGenerationError
-from elasticd.generation import GenerationRecord
+from elasticd.generation import GenerationId, GenerationRecord
 from trainer import dist as tdist
 from trainer import inplace, reform
+from trainer.errors import ConfigError
 
 if TYPE_CHECKING:
+    from trainer.context import ElasticContext
     from trainer.elastic import ElasticState
+    from trainer.state import TrainState
 
 log = structlog.get_logger(__name__)
 
@@ -77,8 +81,10 @@ class InPlace:
         watch = inplace.GenerationWatch(ctx.generation_file, ctx.generation_id)
 
         def released() -> str | None:
+            # A planned change is taken at the step boundary the ranks agree (trainer.
+            # elastic): it releases nothing; a loss's record, or one superseding it, does.
             record = watch.newer()
-            return None if record is None else (
+            return None if record is None or record.planned else (
                 f"the daemons formed generation {record.id} without {', '.join(record.lost)}")
 
         tdist.install_guard(inplace.CollectiveGuard(released, self.backend,
@@ -92,9 +98,15 @@ class InPlace:
             return None
         started = time.monotonic()
         from_world, from_gen = es.ctx.world_size, es.ctx.generation_id
-        cause = "released" if tdist.guard_released() else "collective-failed"
-        log.warning("collective failed; re-forming the group in place", step=es.state.step,
-                    generation=str(from_gen), cause=cause, error=str(exc)[:300])
+        if isinstance(exc, inplace.MembershipChange):
+            cause = exc.record.cause or "planned"
+            log.info(f"membership change agreed after step {es.state.step}; re-forming the "
+                     "group in place", generation=str(from_gen), to=str(exc.record.id),
+                     joined=list(exc.record.joined), left=list(exc.record.lost))
+        else:
+            cause = "released" if tdist.guard_released() else "collective-failed"
+            log.warning("collective failed; re-forming the group in place", step=es.state.step,
+                        generation=str(from_gen), cause=cause, error=str(exc)[:300])
         try:
             if not es.consistent():
                 # The loop stepped the optimizer but not step_done (a collective of its
@@ -110,11 +122,11 @@ class InPlace:
             return None
         took = time.monotonic() - started
         es.report("reformed", from_world_size=from_world, duration_s=round(took, 4),
-                  cause=cause, lost=list(record.lost), mechanism=self.mechanism,
-                  stuck=self.stuck)
+                  cause=cause, lost=list(record.lost), joined=list(record.joined),
+                  mechanism=self.mechanism, stuck=self.stuck)
         log.info(f"re-formed in place in {took:.3f} s by {self.mechanism}: rank {es.ctx.rank} "
                  f"of {es.ctx.world_size} in generation {record.id} (was {from_world} in "
-                 f"{from_gen}); redoing step {es.state.step + 1}")
+                 f"{from_gen}); next is step {es.state.step + 1}")
         return ddp
 
     @staticmethod
@@ -180,43 +192,134 @@ class InPlace:
         return record, self.wrap(es.state.model, reformed=True)
 
     def _rank_in(self, record: GenerationRecord) -> int:
-        ctx = self.es.ctx
-        rank = record.rank_of(ctx.node_id or "", ctx.local_rank)
-        if rank is None:
-            raise inplace.ReformError(
-                f"generation {record.id} does not name node {ctx.node_id} (local rank "
-                f"{ctx.local_rank}): this worker was fenced out")
-        return rank
+        return rank_in(self.es.ctx, record)
 
     def _adopt(self, record: GenerationRecord, rank: int) -> None:
-        """This worker's place in the new generation: rank, world, writer role, and the
-        loop's layout (``on_world``)."""
-        es = self.es
-        was_rank0 = es.ctx.is_rank0
-        es.ctx = dataclasses.replace(es.ctx, rank=rank, world_size=record.world_size,
-                                     generation_seq=record.id.seq)
-        es.progress.ctx = es.ctx
-        es.state.world_size = es.ctx.world_size
-        self.on_world()
-        if es.checkpoints is None or not es.ctx.is_rank0:
-            return
-        if was_rank0:
-            es.checkpoints.advance_generation(record.id.seq)
-        else:  # rank 0 was lost: this survivor is the writer now
-            es.open_checkpoints()
+        adopt(self.es, record, rank, self.on_world)
 
     def _sync_state(self) -> None:
-        """Every survivor continues from the newest completed step (see trainer.inplace)."""
-        st, device = self.es.state, self.es.device
-        newest, holder, every = inplace.newest_state(st.step, device)
-        if min(every) == newest:
-            return  # the same step everywhere: DDP made the states identical
-        rank = torch.distributed.get_rank()  # in the new group (the context follows)
-        mine = st.to_checkpoint() if rank == holder else None
-        saved = inplace.send_state(mine, holder, device)
-        if rank != holder:
-            st.scale = st.load_checkpoint(saved, newest)
-        log.info("training state handed over", step=newest, holder=holder, steps=every)
+        """Every member continues from the newest completed step (see trainer.inplace)."""
+        hand_over(self.es.state, self.es.device)
 
 
-__all__ = ["InPlace"]
+def rank_in(ctx: ElasticContext, record: GenerationRecord) -> int:
+    """This worker's rank in ``record`` (ReformError where it names this worker not)."""
+    rank = record.rank_of(ctx.node_id or "", ctx.local_rank)
+    if rank is None:
+        raise inplace.ReformError(
+            f"generation {record.id} does not name node {ctx.node_id} (local rank "
+            f"{ctx.local_rank}): this worker was fenced out")
+    return rank
+
+
+def adopt(es: ElasticState, record: GenerationRecord, rank: int,
+          on_world: Callable[[], None]) -> None:
+    """This worker's place in the new generation: rank, world, writer role, and the
+    loop's layout (``on_world``)."""
+    was_rank0 = es.ctx.is_rank0
+    es.ctx = dataclasses.replace(es.ctx, rank=rank, world_size=record.world_size,
+                                 generation_seq=record.id.seq)
+    es.progress.ctx = es.ctx
+    es.state.world_size = es.ctx.world_size
+    on_world()
+    if es.checkpoints is None or not es.ctx.is_rank0:
+        return
+    if was_rank0:
+        es.checkpoints.advance_generation(record.id.seq)
+    else:  # rank 0 was lost: this survivor is the writer now
+        es.open_checkpoints()
+
+
+def enter_live(es: ElasticState, backend: str = "auto", timeout: timedelta = tdist.DEFAULT_TIMEOUT,
+               on_world: Callable[[], None] = lambda: None) -> torch.device:
+    """A newcomer (``ELASTICD_JOINING=1``) enters the live group of the generation that
+    names its node among the joined, beside the members re-forming into it (each on its
+    ``MembershipChange``), and takes the newest state from the lowest rank holding it: no
+    checkpoint is read, no shared directory needed. It reports ``warm`` once its device and
+    model are ready and waits for that record as long as its daemon keeps it; the entry is
+    bounded by ``recovery_bound_s``, past which ``CollectiveError`` (the worker exits, its
+    daemon takes the restart path). Returns this worker's device."""
+    ctx = es.ctx
+    if not ctx.in_place:
+        raise ConfigError("ELASTICD_JOINING=1 needs the in-place mode: set ELASTICD_RECOVERY_MODE="
+                          "in-place, ELASTICD_GENERATION_FILE, ELASTICD_NODE_ID and "
+                          "ELASTICD_GENERATION (the daemon does)")
+    # Warm first: the device bound and the model on it (a CUDA context, the costly part on
+    # a GPU) before anyone waits on this worker; then it says so and waits to be admitted.
+    backend, device = tdist.prepare_backend(ctx, backend)
+    es.state.model.to(device)  # before the hand-over: the optimizer state lands beside it
+    es.progress.report("warm", es.state.step)  # (no LR yet: the state comes with the entry)
+    try:
+        record = admission(ctx)
+        started = time.monotonic()  # the members' wait starts with the record, so does ours
+        deadline = started + ctx.recovery_bound_s
+        record, mechanism = _enter(ctx, record, backend, device, timeout, deadline)
+        step = inplace.bounded(lambda: hand_over(es.state, device, newcomer=True),
+                               deadline - time.monotonic(), "receiving the newest state")
+    except (inplace.ReformError, torch.distributed.DistError) as exc:
+        raise tdist.CollectiveError(f"could not enter the live group as a newcomer: {exc}") from exc
+    adopt(es, record, rank_in(ctx, record), on_world)
+    es.rescale(es.state.scale)
+    es.entered_live = True
+    es.reported_step = step  # (the step the holder sent: not this worker's to report)
+    took = time.monotonic() - started
+    es.report("reformed", from_world_size=None, duration_s=round(took, 4), cause=record.cause,
+              lost=list(record.lost), joined=list(record.joined), mechanism=mechanism,
+              stuck=False, newcomer=True)
+    log.info(f"entered generation {record.id} in {took:.3f} s by {mechanism}: rank "
+             f"{es.ctx.rank} of {es.ctx.world_size}, at step {step} from a live peer")
+    return device
+
+
+def admission(ctx: ElasticContext, deadline: float = math.inf) -> GenerationRecord:
+    """The record in this worker's generation file, of its round, that names its node
+    among the joined (ReformError once ``deadline`` passes without one). A warm newcomer
+    waits as long as its daemon keeps it: the daemon admits it when the members agree,
+    and ends it (its agent, then the orphan watchdog) when it will not."""
+    assert ctx.generation_file is not None and ctx.generation_id is not None
+    # Any record of the round is newer than seq -1's; the one sought names this node.
+    watch = inplace.GenerationWatch(ctx.generation_file, GenerationId(
+        ctx.generation_id.round, 0, ctx.generation_id.epoch))
+    while True:
+        record = watch.newer()
+        if record is not None and (ctx.node_id or "") in record.joined:
+            return record
+        if time.monotonic() >= deadline:
+            raise inplace.ReformError(f"no generation naming node {ctx.node_id} among the "
+                                      f"joined in {ctx.generation_file} within the bound")
+        time.sleep(inplace.POLL_S)
+
+
+def _enter(ctx: ElasticContext, record: GenerationRecord, backend: str, device: torch.device,
+           timeout: timedelta, deadline: float) -> tuple[GenerationRecord, str]:
+    """Join ``record``'s group, following any newer record that still names this node."""
+    while True:
+        watch = inplace.GenerationWatch(ctx.generation_file or "", record.id)
+        try:
+            return record, reform.join_as_newcomer(
+                record, rank_in(ctx, record), backend, device, timeout,
+                deadline - time.monotonic(), ctx.reform, newer=watch.newer)
+        except inplace.Superseded as exc:
+            log.warning(f"generation {exc.record.id} was agreed while entering {record.id}; "
+                        "entering it instead", lost=list(exc.record.lost))
+            record = exc.record
+
+
+def hand_over(st: TrainState, device: torch.device, newcomer: bool = False) -> int:
+    """Every member of the new group continues from the newest completed step: the lowest
+    rank holding it sends its whole training state (model, optimizer, sampler, LR scale,
+    scheduler, scaler, RNG, extras: ``TrainState.to_checkpoint``) to the members that do
+    not hold it; a ``newcomer`` holds none. Members at that step already keep theirs (DDP
+    made them identical). Returns the step."""
+    newest, holder, every = inplace.newest_state(-1 if newcomer else st.step, device)
+    if min(every) == newest:
+        return newest
+    rank = torch.distributed.get_rank()  # in the new group (the context follows)
+    saved = inplace.send_state(st.to_checkpoint() if rank == holder else None, holder, device)
+    if every[rank] != newest:
+        st.scale = st.load_checkpoint(saved, newest)
+    log.info("training state handed over", step=newest, holder=holder, steps=every)
+    return newest
+
+
+__all__ = ["InPlace", "admission", "adopt", "enter_live", "hand_over", "rank_in"]

@@ -15,6 +15,8 @@ from elasticd.generation import (
     Member,
     WorldView,
     current_world,
+    drain,
+    grow,
     read_file,
     renumber,
     shrink,
@@ -43,6 +45,9 @@ def view(node: str, first: int, nproc: int = 2, size: int = 6, gen: GenerationId
     (lambda: GenerationRecord(G, (Member("a", 1, 1),)), "members"),
     (lambda: GenerationRecord(G, (Member("a", 0, 1), Member("a", 1, 1))), "members"),
     (lambda: GenerationRecord(G, renumber([("a", 1)]), store="nohost"), "store"),
+    (lambda: GenerationRecord(G, renumber([("a", 1)]), planned=1), "planned"),
+    (lambda: GenerationRecord(G, renumber([("a", 1)]), planned=True, joined=("z",)), "joined"),
+    (lambda: GenerationRecord(G, renumber([("a", 1)]), joined=("a",)), "joined"),
 ])
 def test_invalid_fields_are_named(make, field):
     with pytest.raises(GenerationRecordError, match=f"field {field}="):
@@ -107,6 +112,37 @@ def test_shrink_always_leaves_contiguous_ranks(nprocs, data):
 
 
 # -- current_world -----------------------------------------------------------------------
+
+def test_grow_appends_the_joiners_so_every_member_keeps_its_rank():
+    base = shrink(ABC, ("c",), STORES)
+    assert base is not None
+    grown = grow(base, [("c", 2), ("d", 1), ("a", 2)], created=5.0)
+    assert [(m.node, m.first_rank, m.nproc) for m in grown.members] == [
+        ("a", 0, 2), ("b", 2, 2), ("c", 4, 2), ("d", 6, 1)]
+    assert (grown.id, grown.store, grown.planned, grown.joined, grown.lost, grown.cause) == (
+        base.id.next(), base.store, True, ("c", "d"), (), "join")
+    assert GenerationRecord.from_json(grown.to_json()) == grown
+    with pytest.raises(GenerationRecordError, match="field joined="):
+        grow(base, [("a", 2)])
+
+
+def test_drain_is_a_planned_shrink_and_a_loss_record_is_not_planned():
+    drained = drain(ABC, ["a"], STORES)
+    assert drained is not None and drained.planned and drained.cause == "drain"
+    assert (drained.nodes, drained.lost, drained.store) == (("b", "c"), ("a",), STORES["b"])
+    lost = shrink(ABC, ["a"], STORES)
+    assert lost is not None and not lost.planned
+    assert GenerationRecord.from_json(drained.to_json()) == drained
+    assert drain(ABC, ["z"], STORES) is None
+
+
+def test_a_record_without_the_planned_fields_reads_as_a_loss():
+    """Records written before planned changes existed (a daemon mid-upgrade)."""
+    raw = json.loads(shrink(ABC, ["c"], STORES).to_json())
+    del raw["planned"], raw["joined"]
+    old = GenerationRecord.from_json(json.dumps(raw))
+    assert (old.planned, old.joined) == (False, ())
+
 
 def test_current_world_from_every_node_report():
     assert current_world([view("c", 4), view("a", 0), view("b", 2)]) == ABC

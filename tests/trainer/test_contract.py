@@ -38,6 +38,8 @@ def _strategy(f: dataclasses.Field):
         return st.integers(worker_contract.MIN_KEEP_LAST, 1000)
     if f.name == "lr_warmup_steps":
         return st.integers(0, 10**6)
+    if f.name == "joining":
+        return st.integers(0, 1)
     base = _STRATEGIES[meta["kind"]]
     return base if f.default is not None else st.none() | base
 

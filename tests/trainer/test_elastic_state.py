@@ -245,6 +245,17 @@ def test_the_agreement_posts_on_its_cadence_and_sees_a_stop_within_it(world_of_o
     assert agreement.result() is None  # nothing posted since (the next is after 17)
 
 
+def test_the_agreement_sees_a_planned_change_once_every_rank_has_and_then_posts_nothing(
+        world_of_one):
+    """A join or drain is taken after the step the ranks agree on (every rank has seen the
+    record: the sum of the flags is the rank count); no reduction is left in flight in the
+    group about to be left."""
+    agreement = tdist.Agreement(torch.device("cpu"), 0.0)
+    seen = [agreement.after_step(step, False, 1.0, change=step >= 3) for step in range(1, 5)]
+    assert [a.change if a else None for a in seen] == [None, False, False, True]
+    assert agreement.result() is None  # the read after step 4 posted nothing
+
+
 def test_run_without_the_in_place_mode_is_the_plain_loop_and_wants_the_bare_module(world_of_one):
     state, loader, sampler = _job(world_of_one)
     calls = []
