@@ -36,7 +36,8 @@ Phases and their edges::
     any non-final ──second stop signal──▶ STOPPED (hard)
 
 FAILED is entered from RUNNING only (``_agent_exited``, ``_worker_crash_loop``,
-``_diverged``, ``_unfit``): no rule fails a node in BACKOFF.
+``_diverged``, ``_unfit``): no rule fails a node in BACKOFF. The same edges are
+``PHASE_EDGES``; ``change_phase`` is the one way a rule changes the phase.
 """
 
 from __future__ import annotations
@@ -64,6 +65,22 @@ class Phase(enum.Enum):
     @property
     def final(self) -> bool:
         return self in (Phase.COMPLETED, Phase.FAILED, Phase.STOPPED)
+
+
+# Every phase change the rules make (the module docstring's diagram): a change not listed
+# is a bug in a rule, refused by ``change_phase`` rather than acted on.
+_NOT_FINAL_EXITS = frozenset({Phase.DRAINING, Phase.COMPLETED, Phase.STOPPED})
+PHASE_EDGES: Mapping[Phase, frozenset[Phase]] = MappingProxyType({
+    Phase.IDLE: _NOT_FINAL_EXITS | {Phase.RUNNING},
+    Phase.RUNNING: _NOT_FINAL_EXITS | {Phase.BACKOFF, Phase.FAILED},
+    Phase.BACKOFF: _NOT_FINAL_EXITS | {Phase.RUNNING},
+    Phase.DRAINING: frozenset({Phase.COMPLETED, Phase.STOPPED}),
+    Phase.COMPLETED: frozenset(), Phase.FAILED: frozenset(), Phase.STOPPED: frozenset(),
+})
+
+
+class IllegalPhaseChange(RuntimeError):
+    """A rule tried a phase change that ``PHASE_EDGES`` does not allow."""
 
 
 class Kind(enum.Enum):
@@ -372,6 +389,15 @@ def decide(snap: Snapshot, mem: Memory, policy: Policy) -> Decision:
                 notes.insert(0, note)   # the phase decision leads the sentence
             break
     return Decision(mem, tuple(actions), "; ".join(notes))
+
+
+def change_phase(mem: Memory, phase: Phase, **changes: Any) -> Memory:
+    """``mem`` in ``phase`` (and ``changes``): the one way a rule changes the phase, checked
+    against ``PHASE_EDGES`` (as Supervisor's ``change_state`` checks its table)."""
+    if phase not in PHASE_EDGES[mem.phase]:
+        raise IllegalPhaseChange(f"{mem.phase.value} -> {phase.value} is not a phase change "
+                                 "the daemon makes (supervisor.PHASE_EDGES)")
+    return replace(mem, phase=phase, **changes)
 
 
 # -- bookkeeping -----------------------------------------------------------------------
@@ -790,7 +816,7 @@ _BOOKKEEPING: tuple[Step, ...] = (_signals, _in_place, _progress, _worker_restar
 def _hard_stop(snap: Snapshot, mem: Memory, policy: Policy):
     if not mem.hard_stop:
         return None
-    return (replace(mem, phase=Phase.STOPPED), [act(Kind.KILL_AGENT)],
+    return (change_phase(mem, Phase.STOPPED), [act(Kind.KILL_AGENT)],
             "a second stop signal arrived; stopping now without a checkpoint")
 
 
@@ -808,7 +834,7 @@ def _drain(snap: Snapshot, mem: Memory, policy: Policy):
     if mem.drain_reason is None:
         return None
     grace = drain_grace(snap.now, policy, snap.notice_deadline)
-    mem = replace(mem, phase=Phase.DRAINING, drain_deadline=snap.now + grace)
+    mem = change_phase(mem, Phase.DRAINING, drain_deadline=snap.now + grace)
     actions = [act(Kind.PUBLISH, fields={"state": "leaving"}),
                act(Kind.JOURNAL, event="node-draining", fields={"reason": mem.drain_reason,
                                                                  "grace_s": round(grace, 1)}),
@@ -835,7 +861,7 @@ def _draining(snap: Snapshot, mem: Memory, policy: Policy):
         actions.append(act(Kind.LEAVE_RENDEZVOUS))
     actions += [act(Kind.JOURNAL, event="node-left", fields={"step": snap.step}),
                 act(Kind.DELETE_DRAIN_KEY)]
-    return (replace(mem, phase=Phase.STOPPED, left_rdzv=True), actions,
+    return (change_phase(mem, Phase.STOPPED, left_rdzv=True), actions,
             "the agent stopped; leaving the job and exiting")
 
 
@@ -867,18 +893,18 @@ def _agent_exited(snap: Snapshot, mem: Memory, policy: Policy):
         # member gone from our agent's round: charged to no one's crash budget.
         why = ("this node is cut off from the majority" if mem.isolated_since is not None
                else "we released it from a round with a member that is gone")
-        return (replace(mem, phase=Phase.BACKOFF, restart_at=snap.now),
+        return (change_phase(mem, Phase.BACKOFF, restart_at=snap.now),
                 [act(Kind.PUBLISH, fields={"state": "backoff", "agent_pid": None})],
                 f"the agent exited with code {snap.agent_exit} because {why} (neither a "
                 "completion nor a failure)")
     if snap.agent_exit == 0:
-        return (replace(mem, phase=Phase.COMPLETED),
+        return (change_phase(mem, Phase.COMPLETED),
                 [act(Kind.MARK_COMPLETED), act(Kind.PUBLISH, fields={"state": "completed",
                                                                      "agent_pid": None}),
                  act(Kind.JOURNAL, event="job-completed", fields={"step": snap.step})],
                 "the training script finished; recording job completion")
     if snap.job_state == "completed":
-        return (replace(mem, phase=Phase.COMPLETED), [],
+        return (change_phase(mem, Phase.COMPLETED), [],
                 f"the agent exited {snap.agent_exit} after the job completed elsewhere")
     failures = _recent(mem.failures, snap.now, policy)
     count = len(failures) + 1
@@ -887,8 +913,8 @@ def _agent_exited(snap: Snapshot, mem: Memory, policy: Policy):
                                  f"{policy.crash_loop_window_s:.0f} s (last exit code "
                                  f"{snap.agent_exit}); marking this node failed", snap.worker_error)
     delay = min(policy.backoff_initial_s * 2 ** (count - 1), policy.backoff_max_s)
-    mem = replace(_count_failure(_recovering(mem, "agent-crash", snap.now), failures, snap.now),
-                  phase=Phase.BACKOFF, restart_at=snap.now + delay)
+    mem = change_phase(_count_failure(_recovering(mem, "agent-crash", snap.now), failures,
+                                      snap.now), Phase.BACKOFF, restart_at=snap.now + delay)
     return (mem, [act(Kind.PUBLISH, fields={"state": "backoff", "agent_pid": None}),
                   act(Kind.JOURNAL, event="agent-failed", fields={"exit_code": snap.agent_exit})],
             f"the agent exited with code {snap.agent_exit} (failure {count} of "
@@ -921,7 +947,7 @@ def _mark_failed(mem: Memory, reason: str, error: str | None = None):
     if error:
         reason = f"{reason}; the workers' last error: {error}"
     extra = {"last_error": error} if error else {}
-    return (replace(mem, phase=Phase.FAILED),
+    return (change_phase(mem, Phase.FAILED),
             [act(Kind.PUBLISH, fields={"state": "failed", "reason": reason, "agent_pid": None}),
              act(Kind.JOURNAL, event="node-failed", fields={"reason": reason, **extra})], reason)
 
@@ -932,10 +958,10 @@ def _job_completed(snap: Snapshot, mem: Memory, policy: Policy):
     seen = mem.completed_seen_at if mem.completed_seen_at is not None else snap.now
     mem = replace(mem, completed_seen_at=seen)
     if not _agent_running(snap):
-        return replace(mem, phase=Phase.COMPLETED), [], "the job completed; nothing left to run"
+        return change_phase(mem, Phase.COMPLETED), [], "the job completed; nothing left to run"
     waited = snap.now - seen
     if waited >= policy.completion_grace_s:
-        return (replace(mem, phase=Phase.COMPLETED), [act(Kind.KILL_AGENT)],
+        return (change_phase(mem, Phase.COMPLETED), [act(Kind.KILL_AGENT)],
                 f"the job completed {waited:.0f} s ago but the agent still runs; stopping it")
     return mem, [], ""
 
@@ -1175,7 +1201,7 @@ def _start(snap: Snapshot, mem: Memory, policy: Policy):
     actions = [act(Kind.START_AGENT)]
     if not mem.ready_sent:
         actions.append(act(Kind.NOTIFY, what="ready"))
-    mem = replace(mem, phase=Phase.RUNNING, exit_handled=False, agent_released=False,
+    mem = change_phase(mem, Phase.RUNNING, exit_handled=False, agent_released=False,
                   round_broken_since=None, workers=frozenset(), step_at=None, workers_at=None,
                   ready_sent=True, reformed_without=frozenset())
     return mem, actions, f"{verb} the torchrun agent"

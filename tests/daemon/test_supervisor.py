@@ -12,8 +12,10 @@ import pytest
 
 from elasticd.generation import GenerationId, GenerationRecord, WorldView, renumber
 from elasticd.supervisor import (
+    PHASE_EDGES,
     Death,
     Eviction,
+    IllegalPhaseChange,
     InPlace,
     Kind,
     Memory,
@@ -23,6 +25,7 @@ from elasticd.supervisor import (
     Reform,
     ShrinkOutcome,
     Snapshot,
+    change_phase,
     decide,
     drain_grace,
     gone_members,
@@ -1140,3 +1143,19 @@ def test_a_draining_node_left_out_of_the_next_generation_kills_its_workers_once(
     assert d(live(generation=G, generation_record=REC, node_id="a"), draining, INPLACE).actions == ()
     assert d(live(generation=G1, generation_record=REC_WITHOUT_US, node_id="a"), draining,
              INPLACE).actions == ()
+
+
+# -- the phase table ---------------------------------------------------------------------
+
+def test_every_phase_change_is_in_the_table_and_others_are_refused():
+    """The docstring's diagram as data: FAILED only from RUNNING, nothing out of a final
+    phase, DRAINING only to STOPPED or COMPLETED."""
+    assert {p for p, to in PHASE_EDGES.items() if Phase.FAILED in to} == {Phase.RUNNING}
+    assert all(not PHASE_EDGES[p] for p in Phase if p.final)
+    assert PHASE_EDGES[Phase.DRAINING] == {Phase.STOPPED, Phase.COMPLETED}
+    backoff = replace(RUNNING, phase=Phase.BACKOFF)
+    assert change_phase(backoff, Phase.RUNNING, restart_at=None).phase is Phase.RUNNING
+    with pytest.raises(IllegalPhaseChange, match="backoff -> failed is not a phase change"):
+        change_phase(backoff, Phase.FAILED)
+    with pytest.raises(IllegalPhaseChange, match="draining -> running"):
+        change_phase(replace(RUNNING, phase=Phase.DRAINING), Phase.RUNNING)
