@@ -26,6 +26,7 @@ from elasticd.rendezvous.keys import DEFAULT_ROUNDS, ROUNDS, check_job_id
 from elasticd.worker_contract import (
     DEFAULT_LR_RULE,
     DEFAULT_RECOVERY_BOUND_S,
+    IN_PLACE,
     KEEP_LAST_RULE,
     LR_RULES,
     RECOVERY_MODES,
@@ -260,7 +261,7 @@ class RecoveryConfig:
     daemons' agreed generation; ``restart``: they are killed and torchrun starts new ones.
     """
 
-    mode: str = "in-place"
+    mode: str = IN_PLACE   # the daemon agrees generations: in place by default
     bound_s: float = DEFAULT_RECOVERY_BOUND_S   # longest a re-form may take (worker side)
     store_port: int = 0                         # the daemon's TCP store; 0 = ephemeral
     reform: str = "auto"    # torch's reconfigure where it can (trainer/reform.py), or destroy-init

@@ -51,6 +51,7 @@ from typing import Any
 
 from elasticd import quorum
 from elasticd.generation import GenerationId, GenerationRecord, WorldView
+from elasticd.worker_contract import IN_PLACE, RESTART
 
 
 class Phase(enum.Enum):
@@ -153,7 +154,7 @@ class Policy:
     # [recovery]: "in-place" re-forms the survivors' group after a lost peer; "restart"
     # kills them for torchrun. The decisions' own default is restart (the tests of the
     # restart path); the config's default is in-place.
-    recovery_mode: str = "restart"
+    recovery_mode: str = RESTART
     # The workers' re-form bound; the daemon waits IN_PLACE_SLACK_S more, then kills them.
     recovery_bound_s: float = 5.0
     # A peer whose probes go unanswered this long is suspected (a refusal: at once); the
@@ -751,7 +752,7 @@ def _generation_news(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memor
     """The backstop: an agreed record newer than our workers' generation, of their round,
     not yet handed to them (another daemon agreed it first, or our SHRINK failed)."""
     rec, gen = snap.generation_record, snap.generation
-    if (rec is None or gen is None or policy.recovery_mode != "in-place" or not snap.workers
+    if (rec is None or gen is None or policy.recovery_mode != IN_PLACE or not snap.workers
             or mem.phase is not Phase.RUNNING or not rec.id.newer_than(gen) or _handed(mem, rec.id)):
         return mem, [], ""
     if mem.in_place is None:
@@ -996,7 +997,7 @@ def _dead_peers(snap: Snapshot, mem: Memory, policy: Policy):
     if not first:
         return mem, actions, f"retrying the eviction of peer(s) {names}"
     tail = " and restarting the local workers" if mem.phase is Phase.RUNNING else ""
-    if policy.recovery_mode == "in-place" and mem.phase is Phase.RUNNING and snap.workers:
+    if policy.recovery_mode == IN_PLACE and mem.phase is Phase.RUNNING and snap.workers:
         mem, more, tail = _plan_shrink(snap, mem, [tried[n] for n in first])
         actions += more
     return mem, actions, f"peer(s) {names} lost; evicting them from the rendezvous{tail}"

@@ -54,7 +54,9 @@ KEEP_LAST_RULE = f"keep at least {MIN_KEEP_LAST} checkpoints, {KEEP_LAST_WHY}"
 # new ones. The worker default is "restart" because plain torchrun (c10d, or the etcd3
 # plugin without recovery=in-place) has nothing to agree on the next generation; the
 # daemon's default is in-place.
-RECOVERY_MODES = ("in-place", "restart")
+# What the survivors of a lost peer do: re-form in place, or exit for a torchrun restart.
+IN_PLACE, RESTART = "in-place", "restart"
+RECOVERY_MODES = (IN_PLACE, RESTART)
 DEFAULT_RECOVERY_BOUND_S = 5.0
 # How an in-place re-form rebuilds the group. "auto": torch's reconfigure API where the
 # installed torch and the backend have it (gloo on 2.14+, nccl2), chosen by capability at
@@ -148,7 +150,8 @@ class WorkerSettings:
         str, "id of the rendezvous state's lifetime the generation counts in (set by the plugin)")
     recovery_mode: str = setting(
         str, "after a lost peer: re-form the group in place, or exit for a torchrun restart",
-        default="restart", choices=RECOVERY_MODES)
+        # restart: a worker nobody told of a daemon (or a plugin) that agrees generations
+        default=RESTART, choices=RECOVERY_MODES)
     recovery_bound_s: float = setting(
         float, "longest an in-place re-form may take before the worker exits (the restart path)",
         default=DEFAULT_RECOVERY_BOUND_S, check=_positive_finite, expected="a number > 0")

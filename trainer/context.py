@@ -24,6 +24,7 @@ from elasticd.worker_contract import (
     CHANNEL_NAMES,
     DEFAULT_LR_RULE,
     FIELD_NAMES,
+    IN_PLACE,
     LR_RULES,
     WorkerContractError,
     WorkerSettings,
@@ -140,7 +141,7 @@ class ElasticContext(WorkerSettings):
     @property
     def in_place(self) -> bool:
         """Whether a lost peer is recovered in place: asked for, and everything it needs set."""
-        return (self.recovery_mode == "in-place" and self.generation_file is not None
+        return (self.recovery_mode == IN_PLACE and self.generation_file is not None
                 and self.node_id is not None and self.generation is not None)
 
     @property

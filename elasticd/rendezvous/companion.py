@@ -66,6 +66,7 @@ from elasticd.probe import Liveness, ProbeServer, probe, ring_successors
 from elasticd.recovery import StoreHost, shrink_world
 from elasticd.rendezvous import admin
 from elasticd.rendezvous.keys import JobKeys
+from elasticd.worker_contract import IN_PLACE
 
 log = structlog.get_logger(__name__)
 
@@ -255,7 +256,7 @@ class RecoveryCompanion:
         if not progress:
             progress = str(self._dir / "progress.json")  # type: ignore[operator]
             os.environ["ELASTICD_PROGRESS_FILE"] = progress
-        os.environ.update({"ELASTICD_RECOVERY_MODE": "in-place",
+        os.environ.update({"ELASTICD_RECOVERY_MODE": IN_PLACE,
                            "ELASTICD_GENERATION_FILE": str(self.generation_file),
                            "ELASTICD_NODE_ID": node_id})
         record = PeerRecord(node_id, self._probe.endpoint, self._store.endpoint)

@@ -79,13 +79,14 @@ from elasticd.rendezvous.leaving import LeavesOnExit, warn_giving_up
 from elasticd.rendezvous.rounds import Rules
 from elasticd.rendezvous.store import EtcdV3Store
 from elasticd.rendezvous.torch_compat import check_torch_apis, supports_cas_backoff
-from elasticd.worker_contract import RECOVERY_MODES
+from elasticd.worker_contract import IN_PLACE, RECOVERY_MODES, RESTART
 
 if TYPE_CHECKING:
     from elasticd.rendezvous.companion import RecoveryCompanion
 
-# The plugin's --rdzv-conf recovery= values (the workers' modes) and its default.
-DEFAULT_RECOVERY = "restart"
+# The plugin's --rdzv-conf recovery= values (the workers' modes) and its default: restart,
+# in place is opt-in there (it needs the companion's probes and records).
+DEFAULT_RECOVERY = RESTART
 
 log = structlog.get_logger(__name__)
 
@@ -493,7 +494,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
 def _companion(config: PluginConfig, client: EtcdClient, local_addr: str | None,
                interval_s: int, attempts: int) -> RecoveryCompanion | None:
     """The agent's in-place recovery companion with ``recovery=in-place``, else None."""
-    if config.recovery != "in-place":
+    if config.recovery != IN_PLACE:
         return None
     if os.environ.get(DAEMON_PID_ENV):
         log.warning("rdzv-conf recovery=in-place is ignored under the elasticd daemon: the "
