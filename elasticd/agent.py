@@ -313,3 +313,12 @@ class AgentProcess:
         if survivors:
             log.error("processes survived SIGKILL", pids=[p.pid for p in survivors])
         return self.proc.wait()
+
+
+def torch_restart_count(workers: list[psutil.Process]) -> int | None:
+    """The ``TORCHELASTIC_RESTART_COUNT`` torch started ``workers`` with: its count of
+    failure restarts (None if unreadable). A restart for a membership change keeps it."""
+    for worker in workers:
+        with contextlib.suppress(psutil.Error, KeyError, ValueError):
+            return int(worker.environ()["TORCHELASTIC_RESTART_COUNT"])
+    return None

@@ -48,6 +48,7 @@ from elasticd.agent import (
     RunFiles,
     etcd_auth,
     prune_log_dirs,
+    torch_restart_count,
     torchrun_command,
     warm_capable,
     worker_env,
@@ -119,6 +120,7 @@ class Daemon:
         self.preemption: PreemptionWatcher | None = None
         self.progress = ProgressReader(self.files.progress)
         self._progress_seen = self.progress.progress
+        self._restart_seen: tuple[frozenset[int], int | None] = (frozenset(), None)
         self._reload_requested = False
         self._stop_signals = 0
         self._drain_request: str | None = None
@@ -263,11 +265,13 @@ class Daemon:
         eviction, self._eviction = self._eviction, None
         shrink, self._shrink = self._shrink, None
         agent = self.agent
+        workers = agent.workers(direct=True) if agent else []
         return Snapshot(
             now=self.clock(),
             agent_pid=agent.pid if agent else None,
             agent_exit=agent.exit_code() if agent else None,
-            workers=frozenset(p.pid for p in agent.workers(direct=True)) if agent else frozenset(),
+            workers=frozenset(p.pid for p in workers),
+            workers_restart_count=self._restart_count(workers),
             step=progress.step, progress_event=progress.event, progress_reason=progress.reason,
             worker_error=self.worker_errors.update(),
             job_state=job.job_state, drain_request=drain, notice_deadline=self._notice_deadline,
@@ -282,6 +286,13 @@ class Daemon:
             node_id=self.node_id, generation=progress.generation,
             world=progress.world(self.node_id), reform=progress.reform, shrink=shrink,
             generation_record=job.generation)
+
+    def _restart_count(self, workers: list[psutil.Process]) -> int | None:
+        """torch's restart count of ``workers``, read once per worker group (/proc)."""
+        pids = frozenset(p.pid for p in workers)
+        if pids != self._restart_seen[0]:
+            self._restart_seen = (pids, torch_restart_count(workers))
+        return self._restart_seen[1] if pids else None
 
     def _execute(self, action: Action) -> None:
         try:

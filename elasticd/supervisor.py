@@ -233,6 +233,9 @@ class Snapshot:
     agent_pid: int | None = None           # the current agent process, running or exited
     agent_exit: int | None = None          # its exit code once it has exited
     workers: frozenset[int] = frozenset()  # the agent's worker pids
+    # torch's count of failure restarts these workers were started with (their
+    # TORCHELASTIC_RESTART_COUNT; None: unreadable): a membership restart keeps it.
+    workers_restart_count: int | None = None
     step: int | None = None                # progress file: last completed step ...
     progress_event: str | None = None      # ... and its event (step, checkpoint, stopped, ...)
     progress_reason: str | None = None     # ... and why, where the event says (unfit, ...)
@@ -298,6 +301,7 @@ class Memory:
     agent_pid: int | None = None           # the agent whose exit was handled is not re-handled
     exit_handled: bool = False
     workers: frozenset[int] = frozenset()
+    workers_restart_count: int | None = None  # the Snapshot's, for the workers above
     step: int | None = None
     step_at: float | None = None           # when the current workers last advanced the step
     workers_at: float | None = None        # when the current worker group appeared
@@ -493,12 +497,17 @@ def _worker_restarts(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memor
     # A group that never stepped while a peer was unreachable failed on that peer: its
     # start (group init, the resume's collectives) waited on it. Not this node's crash.
     never_stepped_on_a_peer = mem.step_at is None and peers_unreachable(mem)
+    # torch counts only failure restarts: the same count is a membership change it saw
+    # (a node joined the rendezvous), though no record of ours says so yet (CI: a joiner
+    # a moment after the first round closed read as a crash on the other nodes).
+    uncounted = (mem.workers_restart_count is not None
+                 and snap.workers_restart_count == mem.workers_restart_count)
     # A new worker group steps from scratch: the hang timer waits for its first step.
     mem = replace(mem, workers=snap.workers, step_at=None, step=snap.step, workers_at=snap.now,
-                  reformed_without=frozenset())
+                  reformed_without=frozenset(), workers_restart_count=snap.workers_restart_count)
     if not restarted:
         return mem, [], ""
-    cause = "membership" if never_stepped_on_a_peer else restart_cause(
+    cause = "membership" if never_stepped_on_a_peer or uncounted else restart_cause(
         snap.now, mem.membership_changed_at, snap.progress_event, policy.membership_window_s)
     if cause == "crash":
         mem = _recovering(_count_failure(mem, mem.failures, snap.now), "worker-crash", snap.now)

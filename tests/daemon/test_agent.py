@@ -22,6 +22,7 @@ from elasticd.agent import (
     etcd_auth,
     prune_log_dirs,
     rotate_log,
+    torch_restart_count,
     torchrun_command,
     worker_env,
     worker_settings,
@@ -279,3 +280,21 @@ def test_the_workers_get_the_recovery_settings_and_the_generation_file(tmp_path)
     assert settings.to_env()["ELASTICD_REFORM"] == "destroy-init"
     assert settings.generation_file == str(tmp_path / "generation.json")
     assert worker_settings(CONFIG, RunFiles(tmp_path)).recovery_mode == "in-place"
+
+
+def test_torchs_restart_count_is_read_from_the_workers_environment():
+    """What the supervisor tells a membership restart from a crash by (torch raises it for
+    a failure only); None when no worker says (plain processes, or one already gone)."""
+    env = dict(os.environ, TORCHELASTIC_RESTART_COUNT="3")
+    counted = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env=env)
+    plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                             env={k: v for k, v in env.items() if k != "TORCHELASTIC_RESTART_COUNT"})
+    try:
+        procs = [psutil.Process(counted.pid), psutil.Process(plain.pid)]
+        assert torch_restart_count(procs) == 3
+        assert torch_restart_count(procs[1:]) is None
+        assert torch_restart_count([]) is None
+    finally:
+        for proc in (counted, plain):
+            proc.kill()
+            proc.wait()

@@ -212,6 +212,21 @@ def test_a_new_worker_group_after_a_crash_counts_a_failure():
     assert out.actions[1]["label"] == "crash"
 
 
+def test_a_worker_group_torch_restarted_without_counting_it_is_a_membership_restart():
+    """CI: c's agent joined a moment after a and b's first round closed; their agents
+    restarted the workers for the bigger round, and with no record of ours saying a peer
+    joined, both daemons counted a crash. torch's TORCHELASTIC_RESTART_COUNT is the
+    verdict: it grows for a failure only."""
+    counted = replace(RUNNING, workers_restart_count=0)
+    out = d(live(workers=frozenset({21}), workers_restart_count=0), counted)
+    assert out.memory.failures == () and out.reason.endswith("after a membership")
+    assert out.memory.workers_restart_count == 0
+    crash = d(live(workers=frozenset({21}), workers_restart_count=1), counted)
+    assert crash.memory.failures == (T,) and crash.reason.endswith("after a crash")
+    unread = d(live(workers=frozenset({21}), workers_restart_count=None), counted)
+    assert unread.memory.failures == (T,)   # no verdict read: the other signals decide
+
+
 def test_a_new_worker_group_after_a_membership_change_is_not_a_failure():
     out = d(live(workers=frozenset({21})), replace(RUNNING, membership_changed_at=T - 3))
     assert out.memory.failures == () and "after a membership" in out.reason
