@@ -341,10 +341,6 @@ class Memory:
     # killed our agent to release it from that round (its exit is then no failure).
     round_broken_since: float | None = None
     agent_released: bool = False
-    # The agents of the peers whose record vanished (etcd let its lease expire, or it was
-    # evicted), newest last, at most LOST_AGENTS_KEPT: a round naming one of them waits on
-    # a node known gone, not on a record that lags behind its node's new agent.
-    lost_agents: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -366,8 +362,6 @@ REFUSED_FRESH_S = 2.0
 # After a SHRINK the workers get their own bound plus this (their report's way to us)
 # before the daemon kills them (the restart path).
 IN_PLACE_SLACK_S = 2.0
-# How many agents of vanished peers Memory keeps (``known_gone``; far more than a round has).
-LOST_AGENTS_KEPT = 64
 
 # A bookkeeping step or a phase rule: (snapshot, memory, policy) -> (memory, actions, sentence).
 Step = Callable[[Snapshot, Memory, Policy], tuple[Memory, list[Action], str]]
@@ -549,10 +543,8 @@ def _peer_news(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, lis
             dead[node_id] = Death(peer, "crashed" if answer == "refused" else "silent")
     seen = frozenset(snap.peers)
     changed = snap.departed or (seen - mem.peers_seen)
-    vanished = tuple(p.agent for p in snap.departed if p.agent and p.agent not in mem.lost_agents)
     mem = replace(mem, suspects=suspects, dead=dead, peers_seen=seen, refused_at=refused_at,
-                  membership_changed_at=snap.now if changed else mem.membership_changed_at,
-                  lost_agents=(mem.lost_agents + vanished)[-LOST_AGENTS_KEPT:])
+                  membership_changed_at=snap.now if changed else mem.membership_changed_at)
     return mem, actions, "; ".join(notes)
 
 
@@ -1035,22 +1027,13 @@ def gone_members(snap: Snapshot, mem: Memory) -> frozenset[tuple[str, int]]:
     return frozenset(a for a in snap.round_members if a != mine and a not in live)
 
 
-def known_gone(snap: Snapshot, mem: Memory, gone: frozenset[tuple[str, int]]) -> bool:
-    """Whether one of the ``gone`` agents is certainly gone, not merely unnamed yet: its
-    node's record vanished, says it left or failed, or the majority condemned it. The grace
-    is for the other case, a peer's new agent its record does not name yet."""
-    known = set(mem.lost_agents) | {a for a in mem.condemned.values() if a}
-    known |= {p.agent for p in snap.peers.values() if p.agent and p.state in GONE_STATES}
-    return bool(gone & known)
-
-
 def _broken_round(snap: Snapshot, mem: Memory, policy: Policy):
     """Our agent forms a round (rank assignment, its workers' group init and resume) with
     a member that is gone: torchrun waits for it until the store's timeout (issue 29: a
     node frozen between a round's close and its rank assignment stalled the job for
-    good; a joiner that left did the same). Kill our agent once the grace is over, or at
-    once where a member is known gone (``known_gone``: goodput seed 5 paused 12.2 s, 2 s of
-    it this grace after the frozen member's eviction): it starts again at once, no failure
+    good; a joiner that left did the same). Kill our agent once the grace is over (not at
+    once for a member known gone, tried in 704bf82: the scale harness's survivors then lost
+    agents that were already forming the next round): it starts again at once, no failure
     counted, and joins the next round without it."""
     if (not policy.release_broken_rounds or mem.phase is not Phase.RUNNING
             or not _agent_running(snap) or _trained_in_round(snap, mem)):
@@ -1061,7 +1044,7 @@ def _broken_round(snap: Snapshot, mem: Memory, policy: Policy):
         return None if mem.round_broken_since is None else (
             replace(mem, round_broken_since=None), [], "")
     since = mem.round_broken_since if mem.round_broken_since is not None else snap.now
-    if snap.now - since < policy.broken_round_grace_s and not known_gone(snap, mem, gone):
+    if snap.now - since < policy.broken_round_grace_s:
         return replace(mem, round_broken_since=since), [], ""
     names = ", ".join(f"{addr}:{pid}" for addr, pid in sorted(gone))
     mem = replace(mem, round_broken_since=None, agent_released=True,

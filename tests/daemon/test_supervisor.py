@@ -1037,10 +1037,14 @@ def test_a_round_whose_members_all_live_or_come_back_is_left_alone():
 
 
 @pytest.mark.parametrize("state", ["failed", "leaving", "completed"])
-def test_a_member_whose_node_left_or_failed_is_gone_and_released_at_once(state):
-    """Its record says so: no record lag to wait out."""
+def test_a_member_whose_node_left_or_failed_is_gone_and_released_after_the_grace(state):
+    """Not at once (tried: 704bf82): the scale harness's survivors then had their agents
+    killed while those were already forming the next round (etcd: lease not found)."""
     d_peer = PeerView("d", state, D_AGENT, 9, "127.0.0.1:9")
-    out = d(_forming(peers={"b": B, "d": d_peer}))
+    first = d(_forming(peers={"b": B, "d": d_peer}))
+    assert first.actions == () and first.memory.round_broken_since == T
+    out = d(_forming(now=T + POLICY.broken_round_grace_s, peers={"b": B, "d": d_peer}),
+            first.memory)
     assert out.kinds() == [Kind.KILL_AGENT, Kind.LEAVE_RENDEZVOUS, Kind.COUNT]
 
 
@@ -1055,22 +1059,20 @@ def test_release_broken_rounds_off_leaves_our_agent_in_the_round_as_torch_would(
 def test_a_member_the_majority_condemned_is_gone_though_its_record_lives():
     d_peer = PeerView("d", "running", D_AGENT, 9, "127.0.0.1:9")
     mem = replace(FORMING, condemned={"d": D_AGENT})
-    assert Kind.KILL_AGENT in d(_forming(peers={"b": B, "d": d_peer}), mem).kinds()
+    first = d(_forming(peers={"b": B, "d": d_peer}), mem)
+    assert first.memory.round_broken_since == T
+    late = d(_forming(now=T + POLICY.broken_round_grace_s, peers={"b": B, "d": d_peer}),
+             first.memory)
+    assert Kind.KILL_AGENT in late.kinds()
 
 
-def test_a_member_whose_record_vanished_is_released_at_once_an_unnamed_agent_after_the_grace():
-    """Goodput seed 5: a drain's round closed with n0, n0 froze; its record vanished 5 s
-    later (the lease) and the survivors waited the 2 s grace on top (12.2 s pause). The
-    grace is for a peer's new agent that its record does not name yet, not for a node
-    etcd has let go."""
+def test_a_member_whose_record_vanished_is_released_after_the_grace():
     d_peer = PeerView("d", "running", D_AGENT, 9, "127.0.0.1:9")
     before = d(_forming(peers={"b": B, "d": d_peer}))
     assert before.actions == ()
     vanished = d(_forming(now=T + 0.5, departed=(d_peer,)), before.memory)
-    assert vanished.kinds() == [Kind.CONFIRM_PEER, Kind.KILL_AGENT, Kind.LEAVE_RENDEZVOUS, Kind.COUNT]
-    assert D_AGENT in vanished.memory.lost_agents
-    unnamed = d(_forming())
-    assert Kind.KILL_AGENT not in unnamed.kinds() and unnamed.memory.round_broken_since == T
+    assert Kind.KILL_AGENT not in vanished.kinds()
+    assert vanished.memory.round_broken_since == T + 0.5   # the grace starts: it is gone now
 
 
 def test_workers_that_trained_in_the_round_leave_a_loss_to_the_in_place_path():
