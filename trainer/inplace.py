@@ -106,11 +106,13 @@ class GenerationWatch:
         record = self._record
         return record if record is not None and record.id.newer_than(self.mine) else None
 
-    def wait(self, deadline: float, clock: Callable[[], float] = time.monotonic
-             ) -> GenerationRecord:
-        while (record := self.newer()) is None:
+    def wait(self, deadline: float, clock: Callable[[], float] = time.monotonic,
+             accept: Callable[[GenerationRecord], bool] = lambda _: True,
+             wanted: str = "") -> GenerationRecord:
+        """The first newer record that ``accept`` takes (``wanted``: what, for the error)."""
+        while (record := self.newer()) is None or not accept(record):
             if clock() >= deadline:
-                raise ReformError(f"no generation newer than {self.mine} in {self.path} "
+                raise ReformError(f"no generation newer than {self.mine}{wanted} in {self.path} "
                                   "within the bound (the daemons did not agree on one)")
             time.sleep(POLL_S)
         return record

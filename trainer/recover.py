@@ -280,14 +280,9 @@ def admission(ctx: ElasticContext, deadline: float = math.inf) -> GenerationReco
     # Any record of the round is newer than seq -1's; the one sought names this node.
     watch = inplace.GenerationWatch(ctx.generation_file, GenerationId(
         ctx.generation_id.round, 0, ctx.generation_id.epoch))
-    while True:
-        record = watch.newer()
-        if record is not None and (ctx.node_id or "") in record.joined:
-            return record
-        if time.monotonic() >= deadline:
-            raise inplace.ReformError(f"no generation naming node {ctx.node_id} among the "
-                                      f"joined in {ctx.generation_file} within the bound")
-        time.sleep(inplace.POLL_S)
+    node = ctx.node_id or ""
+    return watch.wait(deadline, accept=lambda record: node in record.joined,
+                      wanted=f" naming node {node} among the joined")
 
 
 def _enter(ctx: ElasticContext, record: GenerationRecord, backend: str, device: torch.device,
