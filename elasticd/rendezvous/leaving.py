@@ -18,7 +18,12 @@ import sys
 import structlog
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
+from elasticd.etcd_client import deadline
+
 log = structlog.get_logger(__name__)
+
+# What one agent's leave at exit may take: the lease's expiry evicts it anyway.
+AT_EXIT_BUDGET_S = 5.0
 
 
 class LeavesOnExit:
@@ -39,7 +44,10 @@ class LeavesOnExit:
         _say_at_exit("agent exiting without a rendezvous shutdown (a signal); leaving the "
                      "rendezvous open for the others")
         try:
-            self._leave_once(success=False)
+            # Bounded: a process with many agents leaves each in turn, and with etcd gone an
+            # unbounded leave held the interpreter's exit for minutes.
+            with deadline(AT_EXIT_BUDGET_S):
+                self._leave_once(success=False)
         except Exception as exc:  # noqa: BLE001 - at exit: the lease's expiry still evicts us
             _say_at_exit("could not leave the rendezvous at exit", reason=repr(exc)[:200])
 
