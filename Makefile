@@ -13,8 +13,13 @@ COMPAT_TORCH ?= 2.14.1
 # private APIs), the in-place re-form (trainer and daemon runs) and the drop-in loops.
 COMPAT_TESTS := tests/rendezvous tests/trainer/test_inplace.py tests/trainer/test_reform.py \
 	tests/daemon/test_inplace_runs.py tests/daemon/test_dropin_runs.py
+# Of those files: what `make test` runs, plus the scenarios of the in-place and drop-in lanes
+# marked `compat` (one each: a node crash in place under the daemons, the converted loop
+# through a crash, plain torchrun's survivors re-forming in place). The whole of those lanes
+# on torch 2.14.1's CUDA build took longer than CI's 90 min together with `make test`.
+COMPAT_MARKS := (not chaos and not inplace and not dropin and not slow) or compat
 
-.PHONY: venv test compat compat-run chaos inplace dropin lint demo bench clean
+.PHONY: venv test compat compat-run slow chaos inplace dropin lint demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -35,7 +40,10 @@ compat:
 	$(MAKE) VENV=.venv-torch$(COMPAT_TORCH) TORCH=$(COMPAT_TORCH) compat-run
 
 compat-run: $(STAMP)
-	$(BIN)/python -m pytest -q -m 'not chaos' $(COMPAT_TESTS)
+	$(BIN)/python -m pytest -q -m '$(COMPAT_MARKS)' $(COMPAT_TESTS)
+
+slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
 
 chaos: $(STAMP)
 	$(BIN)/python -m pytest -q -m chaos

@@ -33,6 +33,7 @@ def leftovers(marker: str) -> list[str]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_demo_tells_the_story_for_both_systems(tmp_path):
     out = tmp_path / "out"

@@ -55,6 +55,7 @@ def test_readme_plain_torchrun_example(etcd_server, tmp_path, job_id):
     assert (tmp_path / "ck").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_rerunning_the_readme_example_with_its_run_id_says_it_completed_and_the_fix(
         etcd_server, tmp_path, job_id):

@@ -18,6 +18,7 @@ UNARY_METHODS = ("Range", "Txn", "Put", "DeleteRange", "LeaseGrant", "LeaseTimeT
                  "LeaseRevoke")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("system", ["elasticd", "elasticd-keyed"])
 def test_four_nodes_form_lose_one_and_reform(etcd_server, system):
     args = argparse.Namespace(procs=1, form_timeout_s=60.0, reform_timeout_s=40.0, settle_s=0.2,

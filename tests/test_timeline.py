@@ -79,6 +79,7 @@ def crash_and_rejoin(etcd_server, tmp_path_factory):
             "drawn": drawn, "json": as_json, "png": png}
 
 
+@pytest.mark.slow
 def test_timeline_json_shows_the_crash_and_the_rejoin(crash_and_rejoin):
     run = crash_and_rejoin
     assert run["json"].returncode == 0, run["json"].stderr

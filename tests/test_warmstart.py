@@ -219,6 +219,7 @@ def test_a_sigterm_at_any_point_of_a_warm_start_ends_the_worker_as_a_cold_one(se
     {"OMP_NUM_THREADS": "3"},                          # MKL caps it at the physical cores
     {"OMP_NUM_THREADS": "3", "MKL_DYNAMIC": "false"},  # unless told not to
 ], ids=["omp1", "unset", "mkl-over-omp", "omp3", "omp3-static"])
+@pytest.mark.slow
 def test_a_warm_worker_computes_bit_for_bit_as_a_cold_one_with_its_environment(server, threads):
     """Same torch/OpenMP/MKL thread counts and the same float64 bits (issue 29: a warm
     worker kept the count torch took from the server's environment unless it set

@@ -78,6 +78,7 @@ def test_silent_node_is_evicted_after_its_lease(etcd_server, cluster):
     assert any(e.startswith(f"peer(s) {stopped.name} lost") for e in lines)
 
 
+@pytest.mark.slow
 def test_etcd_restart_during_training(fresh_etcd, cluster):
     add, nodes = cluster
     a, b = (add(n, fresh_etcd.endpoint, min_nodes=2) for n in "ab")
@@ -101,6 +102,7 @@ def test_etcd_restart_during_training(fresh_etcd, cluster):
     client.close()
 
 
+@pytest.mark.slow
 def test_job_completion_is_recorded_and_every_daemon_exits_0(etcd_server, cluster, tmp_path):
     from tests.daemon_nodes import MLP
     add, nodes = cluster
@@ -117,6 +119,7 @@ def test_job_completion_is_recorded_and_every_daemon_exits_0(etcd_server, cluste
     assert "job-completed" in kinds and "agent-started" in kinds
 
 
+@pytest.mark.slow
 def test_crash_loop_marks_the_node_failed(etcd_server, cluster, tmp_path):
     add, nodes = cluster
     script = tmp_path / "crash.py"
@@ -136,6 +139,7 @@ def test_crash_loop_marks_the_node_failed(etcd_server, cluster, tmp_path):
     assert "3 times without progress" in state, status.stdout
 
 
+@pytest.mark.slow
 def test_a_node_whose_workers_cannot_start_names_their_error_when_it_is_marked_failed(
         etcd_server, cluster, tmp_path):
     """Before: the sentence said only "crashed 3 times without progress"; the cause (here

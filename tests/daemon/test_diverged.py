@@ -8,6 +8,8 @@ Real etcd, two real daemons, real torchrun, gloo.
 
 from __future__ import annotations
 
+import pytest
+
 from elasticd.etcd_client import EtcdClient, EtcdSettings
 from elasticd.journal import recent_events
 from elasticd.rendezvous.keys import JobKeys
@@ -17,6 +19,7 @@ from trainer.exitcodes import DIVERGED_EXIT_CODE
 FAILED_EXIT_CODE = 3  # elasticd.daemon.FAILED_EXIT_CODE (the unit does not restart it)
 
 
+@pytest.mark.slow
 def test_a_diverging_job_marks_every_node_failed_without_restarts(etcd_server, tmp_path, job_id):
     entry = [MLP, "--max-steps", "100000", "--step-sleep", "0.02", "--lr", "1e6",
              "--log-every", "1000"]

@@ -73,6 +73,7 @@ def test_sigterm_drains_with_zero_steps_lost(etcd_server, cluster):
     _drain_and_check(leaver, rest, nodes, lambda: leaver.proc.send_signal(signal.SIGTERM))
 
 
+@pytest.mark.slow
 def test_elasticd_drain_command(etcd_server, cluster):
     add, nodes = cluster
     trio = [add(n, etcd_server.endpoint) for n in "abc"]
@@ -86,6 +87,7 @@ def test_elasticd_drain_command(etcd_server, cluster):
     _drain_and_check(leaver, trio[1:], nodes, drain)
 
 
+@pytest.mark.slow
 def test_spot_notice_drains_its_node(etcd_server, cluster):
     add, nodes = cluster
     with FakeMetadata() as meta:
@@ -99,6 +101,7 @@ def test_spot_notice_drains_its_node(etcd_server, cluster):
     assert any("draining because a aws preemption notice arrived" in e for e in events), events
 
 
+@pytest.mark.slow
 def test_sighup_reloads_and_reports_the_diff(etcd_server, cluster):
     add, nodes = cluster
     a = add("a", etcd_server.endpoint)
@@ -115,6 +118,7 @@ def test_sighup_reloads_and_reports_the_diff(etcd_server, cluster):
     assert a.proc.poll() is None
 
 
+@pytest.mark.slow
 def test_systemd_notify_ready_status_watchdog_stopping(etcd_server, cluster, tmp_path):
     add, nodes = cluster
     path = str(tmp_path / "notify.sock")
@@ -151,6 +155,7 @@ def test_systemd_notify_ready_status_watchdog_stopping(etcd_server, cluster, tmp
     sock.close()
 
 
+@pytest.mark.slow
 def test_prometheus_metrics(etcd_server, cluster):
     import urllib.request
 

@@ -77,7 +77,8 @@ def _checked(node: DaemonNode, ckpt: Path) -> dict[int, dict]:
     return history
 
 
-@pytest.mark.parametrize("victim_rank0", [False, True], ids=["node", "rank0-node"])
+@pytest.mark.parametrize("victim_rank0", [pytest.param(False, id="node", marks=pytest.mark.compat),
+                                          pytest.param(True, id="rank0-node")])
 def test_the_converted_loop_survives_a_node_crash(job, tmp_path, victim_rank0):
     add, nodes = job
     # Past a checkpoint of the world of 3 (every 10 steps): a rank-0 node's crash loses

@@ -105,6 +105,7 @@ def _steps(node: DaemonNode) -> int:
     return (node.progress() or {}).get("step", -1)
 
 
+@pytest.mark.slow
 def test_a_frozen_etcd_stops_neither_pings_nor_training(fresh_etcd, cluster, job_id):
     add, nodes, pings = cluster
     a, b = add("a"), add("b")
@@ -130,6 +131,7 @@ def test_a_frozen_etcd_stops_neither_pings_nor_training(fresh_etcd, cluster, job
         assert not any(e.startswith("peer(s) ") for e in events), events
 
 
+@pytest.mark.slow
 def test_a_peer_crash_during_an_etcd_freeze_recovers_once_etcd_returns(fresh_etcd, cluster):
     add, nodes, pings = cluster
     a, b = add("a"), add("b")

@@ -88,7 +88,8 @@ def _in_place(survivors: list[DaemonNode], lost: str, since: float,
         assert any("in place" in s for s in sentences), sentences[-20:]
 
 
-@pytest.mark.parametrize("victim_rank0", [False, True], ids=["node", "rank0-node"])
+@pytest.mark.parametrize("victim_rank0", [pytest.param(False, id="node", marks=pytest.mark.compat),
+                                          pytest.param(True, id="rank0-node")])
 def test_a_crashed_node_is_recovered_in_place(job, tmp_path, victim_rank0):
     add, nodes = job
     final = 90

@@ -72,6 +72,7 @@ def _world_of_two(nodes: list, etcd_server, job_id: str, tmp_path, names: str = 
     return nodes
 
 
+@pytest.mark.slow
 def test_malformed_values_are_ignored_and_the_job_goes_on(tmp_path, job_id, etcd_server, cluster):
     nodes, client = cluster
     keys = JobKeys(job_id)
@@ -125,6 +126,7 @@ def test_malformed_values_are_ignored_and_the_job_goes_on(tmp_path, job_id, etcd
     _assert_no_traceback(a)
 
 
+@pytest.mark.slow
 def test_garbage_over_a_live_peers_record_does_not_hide_its_crash(tmp_path, job_id, etcd_server,
                                                                    cluster):
     # Three nodes: the garbage (on no lease) hides etcd's verdict, so the death is decided

@@ -95,6 +95,7 @@ def _assert_clean_stop(node: DaemonNode, root: Path) -> int:
     return step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("provider", ["gce", "aws", "azure"])
 def test_notice_deadline_cuts_the_drain_grace(etcd_server, job_id, tmp_path, meta, nodes, provider):
     # The job_id fixture cuts the test name to 40 characters: every provider would share it.
@@ -125,6 +126,7 @@ def test_notice_deadline_cuts_the_drain_grace(etcd_server, job_id, tmp_path, met
     assert any(e.get("kind") == "node-left" for e in events), events
 
 
+@pytest.mark.slow
 def test_sigterm_after_a_notice_keeps_the_drain_graceful(etcd_server, job_id, tmp_path, meta, nodes):
     node = _start(nodes, DaemonNode, etcd_server, job_id, tmp_path, meta, "gce")
     meta.announce_gce()
@@ -145,6 +147,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 def test_second_sigterm_after_a_notice_is_a_hard_stop(etcd_server, job_id, tmp_path, meta, nodes):
     # Workers that ignore the drain keep it going for its whole grace, so the second
     # SIGTERM surely lands in it (the real trainer's drain is over in about a second).

@@ -95,6 +95,7 @@ def node(tmp_path, job_id, etcd_server):
     stop_nodes([node])
 
 
+@pytest.mark.slow
 def test_daemon_reaps_the_orphans_its_workers_leave(node, tmp_path):
     node.start()
     daemon = psutil.Process(node.proc.pid)

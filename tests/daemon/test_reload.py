@@ -46,6 +46,7 @@ def _no_traceback(node: DaemonNode) -> None:
     assert not [e for e in log_lines(node) if "exception" in e], node.log_tail()
 
 
+@pytest.mark.slow
 def test_reload_that_clashes_with_kept_sections_is_rejected(node):
     node.start()
     wait_for(lambda: stepping_at([node], 1, 0), 120, "training", [node])

@@ -135,6 +135,7 @@ def _kill_a_member_as_the_round_closes(client, keys: JobKeys, victim: DaemonNode
     raise AssertionError(f"round {round_} never closed")
 
 
+@pytest.mark.slow
 def test_a_joiner_in_a_round_whose_old_member_died_at_its_close_is_released_too(
         nodes, etcd_server, tmp_path, job_id):
     """Goodput seed 11 (reproduced twice): a world of 2 (a, b); c joins; b dies the moment

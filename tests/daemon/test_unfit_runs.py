@@ -56,6 +56,7 @@ def _journal(etcd_server, job_id) -> list[dict]:
         client.close()
 
 
+@pytest.mark.slow
 def test_a_joiner_without_the_checkpoints_leaves_and_the_others_finish(
         nodes, etcd_server, tmp_path, job_id):
     final = 450
@@ -89,6 +90,7 @@ def test_a_joiner_without_the_checkpoints_leaves_and_the_others_finish(
     assert {w for w, _ in history.values()} == {3}  # the joiner never trained
 
 
+@pytest.mark.slow
 def test_a_node_whose_loss_goes_nan_first_leaves_and_the_others_finish_exactly(
         nodes, etcd_server, tmp_path, job_id):
     final = 450

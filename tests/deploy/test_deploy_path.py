@@ -386,6 +386,7 @@ def test_doctor_passes_from_the_installed_wheel(venv, fresh_etcd, tmp_path, job_
                      done.stdout), done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_the_installed_daemon_runs_a_relative_entrypoint(venv, fresh_etcd, tmp_path, job_id):
     """Steps 7-8 on one node: the installed daemon, started the unit's way (a notify socket,

@@ -97,6 +97,7 @@ def cluster(tmp_path_factory):
         c.kill()
 
 
+@pytest.mark.slow
 def test_cluster_sh_writes_tls_for_clients_and_peers(cluster):
     env = cluster.members[1].env
     tls = cluster.tls

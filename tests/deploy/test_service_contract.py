@@ -17,11 +17,14 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from elasticd import proctree
 from tests.deploy.conftest import DEPLOY, REPO, NotifySocket
 from tests.deploy.test_units import UNITS, one, parse_unit, seconds
 
 
+@pytest.mark.slow
 def test_dev_config_under_the_unit_contract(fresh_etcd, tmp_path, job_id):
     unit = parse_unit(UNITS / "elasticd.service")
     start_s = seconds(one(unit, "Service", "TimeoutStartSec"))

@@ -58,6 +58,7 @@ def _wait_open(proc: subprocess.Popen) -> tuple[bytes, None]:
     return out, None
 
 
+@pytest.mark.slow
 def test_stdin_line_is_read_once_and_nothing_is_left_for_workers():
     line = json.dumps({"user": "job-a", "password": "s3cret"}).encode() + b"\nleftover\n"
     out = take(line, {"ELASTICD_ETCD_AUTH_STDIN": "1", "ELASTICD_ETCD_USER": "old",
@@ -80,6 +81,7 @@ def test_env_credentials_are_used_and_removed_from_the_environment():
     (b'{"password": "p", "user": ""}\n', "lacks user"),
     (b"", "stdin was empty"),
 ])
+@pytest.mark.slow
 def test_bad_stdin_is_a_config_error_naming_the_problem_and_the_fix(line, message):
     out = take(line, {"ELASTICD_ETCD_AUTH_STDIN": "1"})
     assert message in out["error"] and "must write one line" in out["error"]

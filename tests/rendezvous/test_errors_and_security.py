@@ -150,6 +150,7 @@ def test_garbage_tls_file_is_refused(tls_etcd, tmp_path):
         client.put("/elasticd/tls-test", b"x")
 
 
+@pytest.mark.slow
 def test_entry_point_registers_etcd3_with_torchrun():
     code = ("from torch.distributed.elastic.rendezvous.registry import _register_out_of_tree_handlers;"
             "from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as r;"

@@ -66,6 +66,7 @@ def _exit_code(node: TorchrunNode, timeout_s: float) -> int:
         raise AssertionError(f"{node.name} did not exit in {timeout_s} s\n{node.log_tail()}") from None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rounds", ["keyed", "torch"])
 def test_a_join_timeout_does_not_close_the_rendezvous(cluster, closed, tmp_path, rounds):
     add, nodes = cluster
@@ -84,6 +85,7 @@ def test_a_join_timeout_does_not_close_the_rendezvous(cluster, closed, tmp_path,
     assert closed(), "after success the rendezvous is closed, as torch does"
 
 
+@pytest.mark.slow
 def test_an_agent_out_of_restarts_does_not_close_the_rendezvous(cluster, closed, tmp_path):
     add, nodes = cluster
     a = add("a", nnodes="1:3")
@@ -111,6 +113,7 @@ def test_an_agent_out_of_restarts_does_not_close_the_rendezvous(cluster, closed,
     assert stop_all([a, nodes[2]], tmp_path) == [0, 0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rounds", ["keyed", "torch"])
 def test_reopen_if_closed_lets_agents_join_a_closed_rendezvous(cluster, etcd_server, job_id, tmp_path,
                                                               rounds):

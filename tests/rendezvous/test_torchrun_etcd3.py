@@ -83,6 +83,7 @@ def test_three_nodes_survive_crash_rejoin_and_rank0_loss(etcd_server, cluster, t
     assert d is not None
 
 
+@pytest.mark.slow
 def test_twenty_forced_worker_restarts(etcd_server, cluster, tmp_path):
     add, nodes = cluster
     for name in "ab":
@@ -94,6 +95,7 @@ def test_twenty_forced_worker_restarts(etcd_server, cluster, tmp_path):
     _all_steps_correct(tmp_path)
 
 
+@pytest.mark.slow
 def test_etcd_restart_is_survived_and_training_never_waits_on_etcd(fresh_etcd, cluster, tmp_path):
     add, nodes = cluster
     for name in "ab":
@@ -119,6 +121,7 @@ def test_etcd_restart_is_survived_and_training_never_waits_on_etcd(fresh_etcd, c
 SLOW_KEEPALIVE = "last_call_timeout=1,keep_alive_interval=5,keep_alive_max_attempt=3,join_timeout=120"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rounds", ["torch", "keyed"])
 def test_an_agent_stopped_by_sigterm_leaves_the_rendezvous_so_the_others_do_not_wait_for_it(
         etcd_server, cluster, tmp_path, rounds):

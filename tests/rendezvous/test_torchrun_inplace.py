@@ -80,7 +80,7 @@ def _reformed_in_place(survivors: list[TorchrunNode], victim: TorchrunNode, sinc
     return took
 
 
-@pytest.mark.parametrize("rounds", ["torch", "keyed"])
+@pytest.mark.parametrize("rounds", ["torch", pytest.param("keyed", marks=pytest.mark.compat)])
 @pytest.mark.parametrize("victim_rank0", [False, True], ids=["node", "rank0-node"])
 def test_plain_torchrun_survivors_re_form_in_place(agents, tmp_path, rounds, victim_rank0):
     add, nodes = agents

@@ -7,6 +7,7 @@ zero-weight filler forward must keep DDP in step without changing the result.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from checkpointing import CheckpointManager
@@ -25,6 +26,7 @@ def _final_model(ckpt) -> dict[str, torch.Tensor]:
     return found.state["model"], found.step
 
 
+@pytest.mark.slow
 def test_constant_global_batch_is_world_size_invariant(tmp_path):
     straight = tmp_path / "straight"
     assert Launch(tmp_path, "straight", 2, _args(straight, 9)).run() == 0

@@ -12,6 +12,7 @@ SMALL = ["--corpus-chars=4000", "--context=16", "--dim=32", "--layers=1", "--hea
          "--batch-size=8", "--log-every=1"]
 
 
+@pytest.mark.slow
 def test_charlm_trains_and_resumes_at_another_world_size(tmp_path):
     ckpt = f"--checkpoint-dir={tmp_path / 'ckpt'}"
     first = Launch(tmp_path, "lm1", 2, [*SMALL, ckpt, "--max-steps=4"], script="charlm.py")

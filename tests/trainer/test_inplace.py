@@ -240,6 +240,7 @@ def test_silent_peer_workers_are_released_by_the_next_generation(world_of):
         assert event["cause"] == "released" and event["step"] <= blocked_at[node] + 1
 
 
+@pytest.mark.slow
 def test_a_re_form_whose_store_host_dies_follows_the_next_generation(world_of, tmp_path):
     """Issue 29 finding 6: the re-form's store is the new rank 0's daemon's; if that node
     dies while the survivors wait for each other, the store error (DistNetworkError)
