@@ -19,7 +19,7 @@ COMPAT_TESTS := tests/rendezvous tests/trainer/test_inplace.py tests/trainer/tes
 # on torch 2.14.1's CUDA build took longer than CI's 90 min together with `make test`.
 COMPAT_MARKS := (not chaos and not inplace and not dropin and not slow) or compat
 
-.PHONY: venv test compat compat-run slow chaos inplace dropin lint demo bench clean
+.PHONY: venv test check compat compat-run slow chaos inplace dropin lint demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -41,6 +41,11 @@ compat:
 
 compat-run: $(STAMP)
 	$(BIN)/python -m pytest -q -m '$(COMPAT_MARKS)' $(COMPAT_TESTS)
+
+# The fast lane (unit and contract tests, a real etcd, no process scenarios): under 2 min
+# (1229 tests in 97 s on this 2-core machine, 2026-12-05).
+check: $(STAMP)
+	$(BIN)/python -m pytest -q -m 'not (chaos or inplace or dropin or slow or process)'
 
 slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

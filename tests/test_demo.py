@@ -80,6 +80,7 @@ def test_demo_tells_the_story_for_both_systems(tmp_path):
     assert not leftovers(str(scratch)), leftovers(str(scratch))
 
 
+@pytest.mark.process
 @pytest.mark.timeout(300)
 def test_demo_ctrl_c_cleans_up(tmp_path):
     scratch = tmp_path / "tmp"

@@ -97,6 +97,7 @@ def test_config_error_is_one_fail_line(tmp_path):
     assert "job id 'Bad Id' is not valid" in failed[0] and "-> fix:" in failed[0]
 
 
+@pytest.mark.process
 def test_unreachable_etcd_names_the_endpoints_and_fails_fast(job_id, tmp_path):
     dead = f"127.0.0.1:{free_port()}"
     config = write_config(tmp_path, dead, job_id)
@@ -130,6 +131,7 @@ def auth_extra(user: str, password: str) -> str:
     return f'user = "{user}"\npassword = "{password}"\n'
 
 
+@pytest.mark.process
 def test_bad_credentials_and_missing_permission(doctor_auth_etcd, job_id, tmp_path):
     wrong = write_config(tmp_path, doctor_auth_etcd.endpoint, job_id, extra=auth_extra("root", "wrong"),
                          name="wrong.toml")

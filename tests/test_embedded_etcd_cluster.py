@@ -18,6 +18,7 @@ def _client(endpoints: tuple[str, ...]) -> EtcdClient:
     return EtcdClient(EtcdSettings(endpoints=endpoints, timeout_s=1, retry_s=10))
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_leader_kill_quorum_loss_and_back(tmp_path):
     with EmbeddedEtcdCluster(tmp_path / "etcd") as cluster:

@@ -14,6 +14,9 @@ import pytest
 from elasticd import proctree
 from elasticd.local_cluster import AllreduceNode, latest, local_cluster, wait_for
 
+# Several real components and real waits (seconds each): in make test, not make check.
+pytestmark = pytest.mark.process
+
 
 def _alive(proc: psutil.Process) -> bool:
     try:

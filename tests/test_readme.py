@@ -46,6 +46,7 @@ def run_readme_example(etcd_server, tmp_path: Path, run_id: str, nodes: int = 2,
     return [(code, path.read_text()) for code, path in zip(codes, paths, strict=True)]
 
 
+@pytest.mark.process
 @pytest.mark.timeout(300)
 def test_readme_plain_torchrun_example(etcd_server, tmp_path, job_id):
     runs = run_readme_example(etcd_server, tmp_path, job_id)

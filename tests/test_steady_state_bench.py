@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks import steady_state
 from benchmarks.steady_worker import Pieces
 from elasticd.embedded_etcd import free_port
@@ -33,6 +35,7 @@ def test_pieces_measure_without_a_process_group(tmp_path: Path) -> None:
     assert "WorldLR hooks (optimizer.step with - without)" in derived
 
 
+@pytest.mark.process
 def test_one_variant_at_world_one_and_the_report(tmp_path: Path) -> None:
     out = tmp_path / "trainer.json"
     env = {**steady_state.worker_env(str(tmp_path / "progress.json")), "RANK": "0",

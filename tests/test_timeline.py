@@ -103,6 +103,7 @@ def test_timeline_json_shows_the_crash_and_the_rejoin(crash_and_rejoin):
     assert tl["warnings"] == []
 
 
+@pytest.mark.process
 def test_timeline_json_shows_the_recovery(crash_and_rejoin):
     tl = json.loads(crash_and_rejoin["json"].stdout)
     # In place (the default) or, for a crash before every daemon published its world,
@@ -114,6 +115,7 @@ def test_timeline_json_shows_the_recovery(crash_and_rejoin):
     assert recoveries[0]["duration_s"] > 0
 
 
+@pytest.mark.process
 def test_timeline_png_is_drawn(crash_and_rejoin):
     run = crash_and_rejoin
     assert run["drawn"].returncode == 0, run["drawn"].stderr

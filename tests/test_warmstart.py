@@ -60,6 +60,7 @@ def _client(root: Path, sock: Path, *args: str, **kw) -> subprocess.Popen:
                             stdout=subprocess.PIPE, start_new_session=True, **kw)
 
 
+@pytest.mark.process
 def test_a_warm_start_runs_the_script_with_the_clients_argv_env_cwd_and_exit_code(server):
     root, sock, _ = server
     client = _client(root, sock, "3")
@@ -90,6 +91,7 @@ def test_a_sigkilled_client_takes_its_worker_along(server):
     assert psutil.Process(proc.pid).status() != psutil.STATUS_ZOMBIE
 
 
+@pytest.mark.process
 def test_without_a_server_the_client_starts_the_script_cold(tmp_path):
     (tmp_path / "w.py").write_text(SCRIPT)
     client = _client(tmp_path, tmp_path / "absent.sock", "4")
@@ -194,6 +196,7 @@ def _as_a_cold_worker(mode: str, status: int | str, out: str) -> bool:
     return status == -signal.SIGTERM
 
 
+@pytest.mark.process
 def test_a_sigterm_at_any_point_of_a_warm_start_ends_the_worker_as_a_cold_one(server):
     """Issue 29: a SIGTERM the client held until it had the pid found the forked child with
     the server's handler (exit 0, the script never ran) or was lost (the worker ran on)."""

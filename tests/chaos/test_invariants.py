@@ -140,6 +140,7 @@ def test_the_recovery_check_allows_no_lost_step_on_a_drain(tmp_path):
 
 # -- the oracle and exactly-once: pass on a faithful run, fail on a tampered one ---------------
 
+@pytest.mark.process
 def test_the_oracle_passes_on_a_faithful_history(tmp_path):
     records = _records(resume_at=(45, 40))
     _save_final(tmp_path / "ckpt", records)

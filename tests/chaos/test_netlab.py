@@ -133,6 +133,7 @@ def test_the_packet_ids_of_a_queue_message_are_read():
     assert net_faults._packet_ids(b"") == []
 
 
+@pytest.mark.process
 def test_a_cluster_on_its_own_network_runs_etcd_in_a_namespace_and_leaves_nothing(tmp_path):
     from elasticd.local_cluster import local_cluster
 

@@ -68,6 +68,7 @@ def test_a_recovery_counts_once_the_world_was_whole_for_the_settle_time():
     assert got is not None and got - t0 < 0.5
 
 
+@pytest.mark.process
 def test_a_break_in_the_steps_restarts_the_settle_clock():
     nodes = [FakeNode("a", 0), FakeNode("b", 1)]
     nodes[1].stale_until = time.time() + 0.6   # b paused (a restart) for 0.6 s
@@ -202,6 +203,7 @@ class Marker(Injector):
         return {"victim": victim.name}
 
 
+@pytest.mark.process
 def test_a_bursts_faults_fire_while_the_earlier_ones_heal_and_recover_as_one(monkeypatch):
     from elasticd.chaos import run
 

@@ -11,6 +11,9 @@ import pytest
 from elasticd.chaos.scenario import FaultSpec, Scenario
 from tests.chaos.common import run_checked
 
+# Several real components and real waits (seconds each): in make test, not make check.
+pytestmark = pytest.mark.process
+
 SUBSET = Scenario(seed=3, nodes=3, final_step=700, faults=(
     FaultSpec("worker-kill", "other", 30),
     FaultSpec("etcd-restart", "any", 60),

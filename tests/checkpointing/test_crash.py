@@ -22,6 +22,9 @@ from checkpointing import CheckpointManager, _hooks
 
 from .helpers import assert_same, make_state
 
+# Several real components and real waits (seconds each): in make test, not make check.
+pytestmark = pytest.mark.process
+
 NUMEL = 1 << 17  # ~0.7 MB per checkpoint: torch.save makes several writes, fsync takes a while
 # (phase, path substring, which occurrence to stop at): kill points inside the commit protocol.
 TARGETED = [

@@ -128,6 +128,7 @@ def test_a_commit_whose_check_was_overtaken_is_taken_back(tmp_path, monkeypatch)
     assert read_fence(LocalStorage(tmp_path)) == Generation(4, "e")
 
 
+@pytest.mark.process
 def test_a_sigstopped_trainer_woken_after_a_newer_generation_cannot_commit(tmp_path):
     """Real processes: rank 0 of generation 3 (torchrun, the real ElasticTrainer) saves
     every 5 steps; it is SIGSTOPped, a generation-4 writer raises the fence and commits,

@@ -240,6 +240,7 @@ def test_exit_on_an_exception_does_not_hide_it(tmp_path):
     assert "checkpoint_failed_during_exit" in [e["event"] for e in logs]
 
 
+@pytest.mark.process
 def test_interpreter_exit_finishes_the_in_flight_write(tmp_path):
     code = (
         "import sys, torch; sys.path.insert(0, sys.argv[2]);"

@@ -9,6 +9,7 @@ import os
 import subprocess
 import time
 
+import pytest
 import structlog
 from hypothesis import given
 from hypothesis import strategies as st
@@ -146,6 +147,7 @@ def _reader(directory: str, stop, conn) -> None:
     conn.send(results)
 
 
+@pytest.mark.process
 def test_concurrent_saves_retention_and_a_reader(tmp_path):
     """Async saves back to back (each one's retention overlaps the next snapshot) while
     another process keeps loading: it always gets a valid checkpoint, never an error."""

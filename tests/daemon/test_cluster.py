@@ -16,6 +16,9 @@ import pytest
 from elasticd import proctree
 from tests.daemon_nodes import DaemonNode, log_lines, stepping_at, stop_nodes, wait_for
 
+# Several real components and real waits (seconds each): in make test, not make check.
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture
 def cluster(tmp_path, job_id):

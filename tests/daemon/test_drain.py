@@ -22,6 +22,9 @@ from tests.daemon_nodes import (
     wait_for,
 )
 
+# Several real components and real waits (seconds each): in make test, not make check.
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture
 def cluster(tmp_path, job_id):

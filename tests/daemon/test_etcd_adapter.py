@@ -23,6 +23,7 @@ from elasticd.etcd_client import EtcdClient, EtcdSettings, no_retry
 from elasticd.observer import CheckpointScanner
 
 
+@pytest.mark.process
 def test_threads_sharing_a_client_survive_reauthentication(auth_etcd):
     client = EtcdClient(EtcdSettings(endpoints=(auth_etcd.endpoint,), user="root",
                                      password="rootpw", retry_s=20.0))
@@ -60,6 +61,7 @@ def test_threads_sharing_a_client_survive_reauthentication(auth_etcd):
     assert not foreign, [repr(e) for e in foreign[:3]]
 
 
+@pytest.mark.process
 def test_reauthentication_keeps_the_channel_other_threads_hold(auth_etcd):
     client = EtcdClient(EtcdSettings(endpoints=(auth_etcd.endpoint,), user="root", password="rootpw"))
     try:
@@ -71,6 +73,7 @@ def test_reauthentication_keeps_the_channel_other_threads_hold(auth_etcd):
         client.close()
 
 
+@pytest.mark.process
 def test_a_password_over_plaintext_draws_a_warning(auth_etcd):
     with capture_logs() as logs:
         client = EtcdClient(EtcdSettings(endpoints=(auth_etcd.endpoint,), user="root",

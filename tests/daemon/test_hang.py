@@ -10,10 +10,15 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from elasticd.etcd_client import EtcdClient, EtcdSettings
 from elasticd.journal import recent_events
 from elasticd.rendezvous.keys import JobKeys
 from tests.daemon_nodes import DaemonNode, stepping_at, stop_nodes, wait_for
+
+# Several real components and real waits (seconds each): in make test, not make check.
+pytestmark = pytest.mark.process
 
 WORKER = str(Path(__file__).resolve().parents[1] / "workers" / "hang_once.py")
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from elasticd.etcd_client import EtcdClient, EtcdSettings
 from elasticd.journal import Journal, recent_events
 from elasticd.rendezvous.keys import JobKeys
@@ -33,6 +35,7 @@ def test_a_revoked_lease_is_replaced_and_the_write_lands(client, job_id):
     assert {kv.lease_id for kv in client.get_prefix(keys.events)} == {entry2.lease_id}
 
 
+@pytest.mark.process
 def test_an_expired_lease_is_replaced(client, job_id):
     """A real expiry with a short TTL, on a clock that does not reach half the TTL (so the
     proactive renewal does not hide the failed write)."""
@@ -62,6 +65,7 @@ def test_an_old_lease_is_swapped_before_it_expires(client, job_id):
     assert client.lease_ttl(leases[2]) > 3500
 
 
+@pytest.mark.process
 def test_unavailable_etcd_drops_the_entry_at_once(fresh_etcd, job_id):
     c = EtcdClient(EtcdSettings(endpoints=(fresh_etcd.endpoint,), retry_s=30, timeout_s=2))
     try:

@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from elasticd.lease import REVOKE_BUDGET_S, LeaseKeeper
 from tests.conftest import connect
+
+# Several real components and real waits (seconds each): in make test, not make check.
+pytestmark = pytest.mark.process
 
 
 def test_a_revoke_against_a_stopped_etcd_ends_within_its_budget(fresh_etcd):

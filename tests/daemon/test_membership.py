@@ -44,6 +44,7 @@ def _member(etcd, job_id: str, state: str) -> tuple[JobKeys, EtcdClient, Members
     return keys, client, member
 
 
+@pytest.mark.process
 def test_a_lost_update_is_republished_when_etcd_returns(fresh_etcd, job_id):
     keys, client, member = _member(fresh_etcd, job_id, "starting")
     try:
@@ -59,6 +60,7 @@ def test_a_lost_update_is_republished_when_etcd_returns(fresh_etcd, job_id):
         client.close()
 
 
+@pytest.mark.process
 def test_the_adapter_yields_typed_watch_events(fresh_etcd, job_id):
     keys = JobKeys(job_id)
     client = _client(fresh_etcd)
@@ -78,6 +80,7 @@ def test_the_adapter_yields_typed_watch_events(fresh_etcd, job_id):
         client.close()
 
 
+@pytest.mark.process
 def test_a_healthy_watch_is_never_recreated_and_a_broken_one_is(fresh_etcd, job_id):
     keys, client, member = _member(fresh_etcd, job_id, "running")
     try:
@@ -97,6 +100,7 @@ def test_a_healthy_watch_is_never_recreated_and_a_broken_one_is(fresh_etcd, job_
         client.close()
 
 
+@pytest.mark.process
 def test_calls_inside_a_deadline_end_by_it_against_a_frozen_etcd(fresh_etcd, job_id):
     keys = JobKeys(job_id)
     client = EtcdClient(EtcdSettings(endpoints=(fresh_etcd.endpoint,), timeout_s=5.0, retry_s=30.0))
@@ -131,6 +135,7 @@ class _Peer:
         self.node_id, self.probe = node_id, probe
 
 
+@pytest.mark.process
 def test_probes_run_concurrently_and_confirmations_come_back_later():
     silent = [_silent_server() for _ in range(4)]
     dead = socket.create_server(("127.0.0.1", 0))
@@ -177,6 +182,7 @@ def test_a_well_formed_node_record_is_parsed():
     assert parse_record("c", b"{}", 1).state == "starting"
 
 
+@pytest.mark.process
 def test_malformed_records_in_etcd_reach_neither_the_view_nor_the_prober(fresh_etcd, job_id):
     keys = JobKeys(job_id)
     client = _client(fresh_etcd)

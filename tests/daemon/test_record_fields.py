@@ -7,10 +7,15 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 
+import pytest
+
 from elasticd.etcd_client import EtcdClient, EtcdSettings
 from elasticd.generation import WorldView
 from elasticd.rendezvous.keys import JobKeys
 from tests.daemon_nodes import DaemonNode, stop_nodes, wait_for
+
+# Several real components and real waits (seconds each): in make test, not make check.
+pytestmark = pytest.mark.process
 
 # A worker that reports a generation the way the trainer does, then waits to be told to end.
 _WORKER = """

@@ -32,6 +32,9 @@ from tests.daemon.runs import (
 )
 from tests.daemon_nodes import DaemonNode, log_lines, stepping_at, stop_nodes, wait_for
 
+# Several real components and real waits (seconds each): in make test, not make check.
+pytestmark = pytest.mark.process
+
 LEASE_TTL_S = 5        # write_config's default: the frozen node's record expires after it
 RESTART_BOUND_S = 15   # a released agent's restart and the next round's first step, here
 

@@ -201,6 +201,7 @@ def test_gate_rejects_bad_interval(bad):
         WatchdogGate(bad)
 
 
+@pytest.mark.process
 def test_hung_main_loop_stops_pings_in_real_time(systemd):
     """A main loop beats in a thread, then hangs; pings stop within half an interval."""
     notifier = SystemdNotifier(systemd.env(WATCHDOG_USEC="400000"))  # 0.4 s

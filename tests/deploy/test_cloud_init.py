@@ -107,6 +107,7 @@ def test_install_variables(user_data):
     assert len(env["ELASTICD_ETCD_ENDPOINTS"].split(",")) == 3
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("user_data", USER_DATA, ids=lambda p: p.name)
 def test_each_cloud_watches_its_own_notices(user_data, certs, tmp_path):
     """The bootstrap's sed turns off the other cloud's watcher in the spot config."""

@@ -245,6 +245,7 @@ def test_the_unit_starts_the_job_in_its_code_directory():
         assert f"install -d -m 0755 {TRAIN_DIR}\n" in user_data.read_text(), user_data.name
 
 
+@pytest.mark.process
 def test_the_unit_runs_the_venv_s_console_script(wheel):
     unit = parse_unit(UNITS / "elasticd.service")
     argv = one(unit, "Service", "ExecStart").split()
@@ -344,6 +345,7 @@ def test_the_wheel_holds_what_the_deploy_configs_run(wheel):
         assert raw["job"]["entrypoint"][0] == "-m" and f"{module.replace('.', '/')}.py" in names, name
 
 
+@pytest.mark.process
 def test_the_installed_entry_point_runs(venv, wheel):
     version = wheel.name.split("-")[1]
     # Not from the checkout's directory: `python -c` puts the working directory on sys.path.
@@ -374,6 +376,7 @@ def _node_env(etcd, job_id: str, tmp_path: Path) -> dict[str, str]:
                       TMPDIR=str(tmp_path))
 
 
+@pytest.mark.process
 def test_doctor_passes_from_the_installed_wheel(venv, fresh_etcd, tmp_path, job_id):
     """Step 7's check, from the venv, in the unit's kind of working directory."""
     train, config = _train_dir(tmp_path)

@@ -37,6 +37,9 @@ from elasticd.rendezvous.keys import JobKeys
 from elasticd.rendezvous.store import EtcdV3Store
 from tests.deploy.conftest import DEPLOY
 
+# A 3-member TLS cluster (6 s to start) whose tests build on one another (auth first).
+pytestmark = pytest.mark.process
+
 ROOT_PASSWORD = "root-secret"
 PASSWORD = "elasticd-secret"
 MEMBERS = ("m1", "m2", "m3")

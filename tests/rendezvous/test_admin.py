@@ -97,6 +97,7 @@ def test_lost_races_are_retried_only_within_the_budget(client, keys, op):
     assert changed in (True, False)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("op", ["evict", "reopen"])
 def test_etcd_down_fails_fast_instead_of_retrying(fresh_etcd, job_id, op):
     """The client retries an outage for 30 s; the daemon's calls must not wait that out."""

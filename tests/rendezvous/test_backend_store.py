@@ -43,6 +43,7 @@ def round_of(state: bytes) -> int:
     return pickle.loads(state).round
 
 
+@pytest.mark.process
 def test_state_absent_then_created(client, keys):
     backend = EtcdV3RendezvousBackend(client, keys.rdzv_state)
     assert backend.get_state() is None
@@ -72,6 +73,7 @@ def test_foreign_token_reports_current_state(client, keys):
     assert backend.set_state(st(9), "not-a-revision") == (st(1), token, False)
 
 
+@pytest.mark.process
 def test_cas_race_between_threads_loses_no_update(client, keys):
     """Each thread increments a counter held in the state by read-modify-CAS."""
     backend = EtcdV3RendezvousBackend(client, keys.rdzv_state)
@@ -135,6 +137,7 @@ def test_wait_returns_when_all_keys_exist(store):
     assert store.check(["k1", "k2"]) and not store.check(["k1", "k3"])
 
 
+@pytest.mark.process
 def test_add_under_contention_counts_every_increment(store):
     threads, per_thread = 5, 20
 

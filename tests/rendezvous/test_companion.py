@@ -193,6 +193,7 @@ def _record(comp: RecoveryCompanion) -> GenerationRecord | None:
         return None
 
 
+@pytest.mark.process
 def test_a_crashed_peer_is_agreed_out_in_place_by_both_survivors(three, client, keys):
     a, b, c = three["a"], three["b"], three["c"]
     store_a = json.loads(client.get(keys.rdzv_recovery(0) + "a").value)["store"]
@@ -210,6 +211,7 @@ def test_a_crashed_peer_is_agreed_out_in_place_by_both_survivors(three, client, 
     assert took < 5.0, f"a crash took {took:.2f} s to agree"
 
 
+@pytest.mark.process
 def test_a_silent_peer_is_agreed_out_once_its_lease_expired(three, client, keys):
     a, c = three["a"], three["c"]
     # Frozen, not gone: its port stays open (the kernel accepts connections) but nothing
@@ -223,6 +225,7 @@ def test_a_silent_peer_is_agreed_out_once_its_lease_expired(three, client, keys)
     assert _record(a).cause == "peer-silent" and _record(a).lost == ("c",)
 
 
+@pytest.mark.process
 def test_a_peer_that_moved_on_or_completed_is_no_loss(three, client, keys, tmp_path):
     a, b, c = three["a"], three["b"], three["c"]
     c.leave_round()            # a new rendezvous (torchrun's restart): its record goes, it answers

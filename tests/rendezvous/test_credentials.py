@@ -69,6 +69,7 @@ def test_stdin_line_is_read_once_and_nothing_is_left_for_workers():
     assert out["fd0"] == "/dev/null" and out["rest"] == ""
 
 
+@pytest.mark.process
 def test_env_credentials_are_used_and_removed_from_the_environment():
     out = take(b"", {"ELASTICD_ETCD_USER": "u", "ELASTICD_ETCD_PASSWORD": "p"})
     assert out["creds"] == ["u", "p"] and out["env"] == []
@@ -89,6 +90,7 @@ def test_bad_stdin_is_a_config_error_naming_the_problem_and_the_fix(line, messag
     assert out["fd0"] == "/dev/null" and out["env"] == []
 
 
+@pytest.mark.process
 def test_a_silent_stdin_times_out_with_a_clear_error():
     out = take(None, {"ELASTICD_ETCD_AUTH_STDIN": "1"}, timeout_s=0.5)
     assert "no credentials line arrived on stdin within" in out["error"]
@@ -101,6 +103,7 @@ def test_parse_params_takes_the_stdin_credentials(monkeypatch):
     assert (settings.user, settings.password) == ("from-stdin", "pw")
 
 
+@pytest.mark.process
 def test_torchrun_workers_never_see_the_credentials(auth_etcd, tmp_path, job_id):
     """A real agent against an etcd with auth on, given the password on stdin only."""
     password = "rootpw"   # auth_etcd's root password

@@ -80,6 +80,7 @@ def test_the_closed_error_names_the_etcdctl_command_with_the_agents_tls_and_user
     assert "([rendezvous] ttl=60 s" in text and "with every daemon stopped: etcdctl" in text
 
 
+@pytest.mark.process
 def test_unreachable_etcd_names_every_endpoint_tried():
     dead = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
     with pytest.raises(EtcdUnavailable) as info:
@@ -96,11 +97,13 @@ def test_second_endpoint_is_used_when_the_first_is_down(etcd_server):
     client.close()
 
 
+@pytest.mark.process
 def test_auth_failure_is_an_auth_error(auth_etcd):
     with pytest.raises(EtcdAuthError, match="rejected the credentials"):
         EtcdClient(EtcdSettings(endpoints=(auth_etcd.endpoint,), user="root", password="wrong"))
 
 
+@pytest.mark.process
 def test_auth_success_and_anonymous_refused(auth_etcd):
     good = EtcdClient(EtcdSettings(endpoints=(auth_etcd.endpoint,), user="root", password="rootpw"))
     good.put("/elasticd/auth-test", b"v")
@@ -126,6 +129,7 @@ def tls_etcd(certs):
     server.stop()
 
 
+@pytest.mark.process
 def test_tls_with_client_certificate(tls_etcd, certs):
     client = EtcdClient(EtcdSettings(endpoints=(tls_etcd.endpoint,), ca_cert=str(certs / "ca.pem"),
                                      cert=str(certs / "client.pem"), key=str(certs / "client-key.pem")))
@@ -134,6 +138,7 @@ def test_tls_with_client_certificate(tls_etcd, certs):
     client.close()
 
 
+@pytest.mark.process
 def test_tls_without_client_certificate_is_refused(tls_etcd, certs):
     with pytest.raises(EtcdUnavailable, match=tls_etcd.endpoint):
         client = EtcdClient(EtcdSettings(endpoints=(tls_etcd.endpoint,), ca_cert=str(certs / "ca.pem"),
@@ -141,6 +146,7 @@ def test_tls_without_client_certificate_is_refused(tls_etcd, certs):
         client.put("/elasticd/tls-test", b"x")
 
 
+@pytest.mark.process
 def test_garbage_tls_file_is_refused(tls_etcd, tmp_path):
     bogus = tmp_path / "ca.pem"
     bogus.write_text("not a certificate")
@@ -159,6 +165,7 @@ def test_entry_point_registers_etcd3_with_torchrun():
     assert "create_handler" in out.stdout
 
 
+@pytest.mark.process
 def test_importing_the_handler_module_first_registers_the_plugin_without_an_error():
     """torch's registry calls the entry point while the handler module is half-imported
     (it imports torch's rendezvous): the entry point must not import it back then."""

@@ -52,6 +52,7 @@ def cluster(tmp_path, job_id):
         node.kill()
 
 
+@pytest.mark.process
 def test_workers_see_their_generation_and_a_restart_raises_it(etcd_server, cluster, tmp_path):
     add, nodes = cluster
     for name in "ab":

@@ -76,6 +76,7 @@ def test_a_round_costs_a_few_writes_per_agent_not_per_pair(make, client, job_id)
     assert after - before <= 2 * n + 4, after - before
 
 
+@pytest.mark.process
 def test_survivors_re_form_without_the_evicted_agent(make, client, job_id):
     handlers = [make(i) for i in range(3)]
     rendezvous_all(handlers)
@@ -91,6 +92,7 @@ def test_survivors_re_form_without_the_evicted_agent(make, client, job_id):
     assert took < 10, took      # the last call (1 s), not the liveness lease (3 s) and more
 
 
+@pytest.mark.process
 def test_a_dead_agent_that_nobody_evicts_blocks_until_its_lease_expires(make):
     handlers = [make(i) for i in range(3)]
     rendezvous_all(handlers)
@@ -99,6 +101,7 @@ def test_a_dead_agent_that_nobody_evicts_blocks_until_its_lease_expires(make):
     assert {i.world_size for i in infos} == {2}
 
 
+@pytest.mark.process
 def test_a_newcomer_is_waiting_for_the_members_then_all_re_form(make):
     members = [make(i) for i in range(2)]
     rendezvous_all(members)
@@ -112,6 +115,7 @@ def test_a_newcomer_is_waiting_for_the_members_then_all_re_form(make):
     assert {i.world_size for i in infos} == {3} and members[0].world.round == 1
 
 
+@pytest.mark.process
 def test_a_full_world_does_not_restart_for_a_spare_and_the_spare_times_out(make):
     members = [make(i, max_nodes=2) for i in range(2)]
     rendezvous_all(members)
@@ -122,6 +126,7 @@ def test_a_full_world_does_not_restart_for_a_spare_and_the_spare_times_out(make)
     assert members[0].num_nodes_waiting() == 0
 
 
+@pytest.mark.process
 def test_only_a_successful_shutdown_closes_the_rendezvous(make, job_id):
     handlers = [make(i) for i in range(2)]
     rendezvous_all(handlers)
@@ -138,6 +143,7 @@ def test_only_a_successful_shutdown_closes_the_rendezvous(make, job_id):
         make(3).next_rendezvous()
 
 
+@pytest.mark.process
 def test_a_corrupt_world_is_stepped_over_with_a_warning_never_fatal(make, client, job_id):
     keys = JobKeys(job_id)
     client.put(keys.rdzv_world(0), b"\x80\x04cos\nsystem\n.")     # a pickle: never loaded
@@ -160,6 +166,7 @@ def test_a_corrupt_pointer_is_repaired_above_every_existing_round(make, client, 
     assert admin.current_round(client, keys).round == 1             # a good pointer again
 
 
+@pytest.mark.process
 def test_a_world_record_under_another_rounds_key_is_refused(make, client, job_id):
     keys = JobKeys(job_id)
     client.put(keys.rdzv_world(0), b'{"round": 5, "members": [["127.0.0.9", 1, 0]]}')
@@ -168,6 +175,7 @@ def test_a_world_record_under_another_rounds_key_is_refused(make, client, job_id
     assert handler.world.round == 1 and handler.world.rank_of(handler.agent) == 0
 
 
+@pytest.mark.process
 def test_the_jobs_round_world_and_epoch_outlive_every_agents_lease(make, client, job_id):
     # Issue 29 finding 2: the pointer and world were on the round leader's run lease and
     # the epoch on its creator's. In place, the job trains on without a new round; 2 h
@@ -206,6 +214,7 @@ def test_a_leader_that_read_an_older_pointer_cannot_move_it_back(make, client, j
     assert late.world.round == 3
 
 
+@pytest.mark.process
 def test_the_daemon_view_and_reopen_work_on_keyed_rounds(make, client, job_id):
     keys = JobKeys(job_id)
     handlers = [make(i) for i in range(2)]
@@ -229,6 +238,7 @@ def test_an_expired_liveness_lease_is_granted_anew_with_the_keys_back(make, clie
     assert client.get(keys.rdzv_alive + handler.agent.name) is not None
 
 
+@pytest.mark.process
 def test_a_full_world_that_lost_a_member_takes_a_newcomer(make, client, job_id):
     # An in-place shrink keeps the rendezvous world of 3 while its third member is dead:
     # the newcomer must still make the live members restart into a new round.
@@ -259,6 +269,7 @@ def test_a_join_on_an_expired_liveness_lease_renews_it_instead_of_failing(make, 
     assert client.get(keys.rdzv_alive + handler.agent.name) is not None
 
 
+@pytest.mark.process
 def test_a_member_that_rejoins_the_next_round_has_left_the_full_world(make, client, job_id):
     # Seen on the chaos matrix (keyed rounds, node-stop): a frozen member outlived its
     # lease, was shrunk out in place, woke, renewed its liveness key and joined the next

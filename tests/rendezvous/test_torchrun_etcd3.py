@@ -18,6 +18,9 @@ from tests.torchrun_nodes import (
     world_after,
 )
 
+# Several real components and real waits (seconds each): in make test, not make check.
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture
 def cluster(tmp_path, job_id):

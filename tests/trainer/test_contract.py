@@ -48,6 +48,7 @@ def _strategy(f: dataclasses.Field):
 SETTINGS = st.builds(WorkerSettings, **{f.name: _strategy(f) for f in FIELDS})
 
 
+@pytest.mark.process
 @given(SETTINGS)
 def test_to_env_from_env_round_trips(settings):
     env = settings.to_env()

@@ -331,6 +331,7 @@ def runs(draw: st.DrawFn) -> tuple[int, int, bool, list[Segment]]:
     return n, draw(st.integers(0, 2**31)), draw(st.booleans()), segments
 
 
+@pytest.mark.process
 @settings(max_examples=35, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(run=runs())
 def test_any_run_with_resumes_consumes_every_stream_position_once(run):
@@ -342,6 +343,7 @@ def test_any_run_with_resumes_consumes_every_stream_position_once(run):
     assert_each_permutation_once(consumed, n)
 
 
+@pytest.mark.process
 def test_dataloader_workers_and_resumes_consume_every_stream_position_once():
     segments = [
         Segment(3, 4, True, False, workers=2, persistent=True, steps=5),

@@ -37,6 +37,10 @@ def _args(ckpt: Path, *extra: str) -> list[str]:
             f"--lr-base-world-size={BASE_WORLD}", *extra]
 
 
+# Every test reads the one scenario the module fixture runs (30-40 s).
+pytestmark = pytest.mark.process
+
+
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory):
     work = tmp_path_factory.mktemp("dropin")

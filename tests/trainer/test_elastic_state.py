@@ -350,6 +350,7 @@ ElasticTrainer(model, mlp.make_optimizer(model, 0.1, 0.0), 8, lambda i: (x[i], y
 """
 
 
+@pytest.mark.process
 def test_a_worker_still_joining_its_process_group_dies_of_sigterm_at_once(tmp_path):
     """Rank 1 of 2 whose rank 0 never comes: blocked in the store's connect (C++), where a
     Python handler never runs. torchrun's SIGTERM must end it, not its SIGKILL 30 s later."""

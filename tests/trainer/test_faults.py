@@ -5,9 +5,14 @@ from __future__ import annotations
 import math
 import signal
 
+import pytest
+
 from checkpointing import CheckpointManager
 from tests.trainer.launch import Launch, wait_gone
 from trainer.exitcodes import DIVERGED_EXIT_CODE, FAILURE_EXIT_CODE, STOP_EXIT_CODE
+
+# Several real components and real waits (seconds each): in make test, not make check.
+pytestmark = pytest.mark.process
 
 
 def _args(ckpt, *extra: str) -> list[str]:

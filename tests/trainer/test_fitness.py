@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from checkpointing import CheckpointManager
@@ -37,6 +38,7 @@ def _run(dirs: list[Path], fail_load: int | None = None) -> list[dict]:
                                 for r, d in enumerate(dirs)])
 
 
+@pytest.mark.process
 def test_a_node_without_the_newest_checkpoint_is_charged_and_its_peers_are_told(tmp_path):
     shared, mount = tmp_path / "shared", tmp_path / "failed-mount"
     _commit(shared, 10, 20)
@@ -51,6 +53,7 @@ def test_a_node_without_the_newest_checkpoint_is_charged_and_its_peers_are_told(
     assert time.monotonic() - started >= fitness.VISIBLE_S  # it waited for the commit
 
 
+@pytest.mark.process
 def test_an_older_copy_is_unfit_too(tmp_path):
     shared, stale = tmp_path / "shared", tmp_path / "stale"
     _commit(shared, 10, 20)
@@ -60,6 +63,7 @@ def test_an_older_copy_is_unfit_too(tmp_path):
     assert b["error"] == "PeerUnfit"
 
 
+@pytest.mark.process
 def test_a_commit_that_appears_late_is_waited_for(tmp_path):
     shared, lagging = tmp_path / "shared", tmp_path / "lagging"
     _commit(shared, 10, 20)
@@ -81,6 +85,7 @@ def test_a_commit_that_appears_late_is_waited_for(tmp_path):
     assert outcomes == [{"newest": 20}] * 3
 
 
+@pytest.mark.process
 def test_a_fresh_job_and_a_healthy_one_agree_at_once(tmp_path):
     empty, shared = tmp_path / "empty", tmp_path / "shared"
     empty.mkdir()
@@ -89,6 +94,7 @@ def test_a_fresh_job_and_a_healthy_one_agree_at_once(tmp_path):
     assert _run([shared, shared, shared]) == [{"newest": 7}] * 3
 
 
+@pytest.mark.process
 def test_a_load_that_fails_on_one_node_is_that_nodes_fault(tmp_path):
     shared = tmp_path / "shared"
     _commit(shared, 7)

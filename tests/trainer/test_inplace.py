@@ -50,6 +50,9 @@ from tests.trainer.launch import EXAMPLES, json_lines
 from trainer import reform
 from trainer.examples import regression
 
+# Several real components and real waits (seconds each): in make test, not make check.
+pytestmark = pytest.mark.process
+
 RUN = Run(samples=240, batch=4, lr=0.05, seed=5, data_seed=99, momentum=0.9)
 EPOCH = "test-epoch"
 REPO = Path(__file__).resolve().parents[2]

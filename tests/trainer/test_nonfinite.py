@@ -111,6 +111,7 @@ def _run(firsts: list[int], suspects: list[Path | None], weights: str = "nan") -
                                 for r, (f, s) in enumerate(zip(firsts, suspects, strict=True))])
 
 
+@pytest.mark.process
 def test_the_node_that_went_bad_first_is_charged_and_the_others_record_the_samples(tmp_path):
     files = [tmp_path / f"n{r}.nonfinite" for r in range(3)]
     out = _run([8, 9, 9], list(files))
@@ -122,12 +123,14 @@ def test_the_node_that_went_bad_first_is_charged_and_the_others_record_the_sampl
     assert Suspects(str(files[1])).covers(Span(0, 90, 91)) and files[2].exists()
 
 
+@pytest.mark.process
 def test_a_nan_everywhere_at_once_is_the_jobs_divergence(tmp_path):
     out = _run([9, 9, 9], [None] * 3)
     assert {o["outcome"] for o in out} == {"returned"}  # DivergenceCheck counts it
     assert {o["outcome"] for o in _run([NONE] * 3, [None] * 3)} == {"returned"}
 
 
+@pytest.mark.process
 def test_a_bad_loss_whose_weights_stayed_finite_charges_nobody(tmp_path):
     # A mixed-precision scaler skipped the step: the weights are fine, nobody is at fault.
     files = [tmp_path / f"n{r}.nonfinite" for r in range(3)]
@@ -135,6 +138,7 @@ def test_a_bad_loss_whose_weights_stayed_finite_charges_nobody(tmp_path):
     assert not any(f.exists() for f in files)
 
 
+@pytest.mark.process
 def test_samples_that_already_made_a_node_unfit_are_the_datas_fault_on_every_rank(tmp_path):
     survivor = tmp_path / "n1.nonfinite"
     Suspects(str(survivor)).add(Span(0, 84, 96))  # recorded when another node was charged

@@ -93,6 +93,7 @@ def group(tmp_path):
         g.close()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 def test_the_store_host_is_lost_then_a_newcomer_grows_the_group(group, mechanism):
     g = group(mechanism)

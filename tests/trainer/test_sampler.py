@@ -19,6 +19,7 @@ segments = st.lists(
 )
 
 
+@pytest.mark.process
 @settings(max_examples=200, deadline=None)
 @given(n=st.integers(1, 120), seed=st.integers(0, 2**31), plan=segments)
 def test_any_world_history_consumes_each_sample_once_per_epoch(n, seed, plan):
