@@ -6,10 +6,12 @@ sentence; the tests drive it with hand-built snapshots, timers included.
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
 
+from elasticd import supervisor
 from elasticd.generation import GenerationId, GenerationRecord, WorldView, renumber
 from elasticd.supervisor import (
     PHASE_EDGES,
@@ -1176,3 +1178,34 @@ def test_every_phase_change_is_in_the_table_and_others_are_refused():
         change_phase(backoff, Phase.FAILED)
     with pytest.raises(IllegalPhaseChange, match="draining -> running"):
         change_phase(replace(RUNNING, phase=Phase.DRAINING), Phase.RUNNING)
+
+
+def _diagram_edges(doc: str) -> set[tuple[Phase, Phase]]:
+    """The phase changes the module docstring's diagram draws. A line's first segment
+    names its sources (a phase list, "any non-final", or nothing: a branch of the
+    RUNNING trunk); each arrow's target is the first phase named after it."""
+    names = {p.name: p for p in Phase}
+    diagram = doc.split("Phases and their edges::", 1)[1].split("\n\n", 2)[1]
+
+    def phases(segment: str) -> list[Phase]:
+        segment = re.sub(r"\([^)]*\)", "", segment)
+        if "any non-final" in segment:
+            return [p for p in Phase if not p.final]
+        return [names[w] for w in re.findall(r"\b[A-Z]+\b", segment) if w in names]
+
+    edges = set()
+    for line in diagram.splitlines():
+        segments = re.split(r"──[^▶]*?──▶", line)
+        if len(segments) < 2:
+            continue  # a continuation of the comment above it
+        sources = phases(segments[0]) or [Phase.RUNNING]
+        for target_text in segments[1:]:
+            target = phases(target_text)[0]
+            edges |= {(s, target) for s in sources if s is not target}
+            sources = [target]
+    return edges
+
+
+def test_the_docstring_diagram_draws_exactly_the_table():
+    table = {(p, to) for p, tos in PHASE_EDGES.items() for to in tos}
+    assert _diagram_edges(supervisor.__doc__) == table
