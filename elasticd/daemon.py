@@ -1,4 +1,4 @@
-"""The node daemon's loop: observe, decide, act, log one sentence.
+"""The node daemon's loop: observe, decide, act, log the sentence (if any).
 
 A cycle, then ``TICK_S`` of sleep (the period is ``TICK_S`` plus the cycle's own time):
 

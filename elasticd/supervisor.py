@@ -17,21 +17,21 @@ periodic journal entry), then applies the first matching phase rule (``_RULES``)
 Phases and their edges::
 
     IDLE ──start──▶ RUNNING ──exit 0──▶ COMPLETED
-      ▲                │ └──exit ≠ 0──▶ BACKOFF ──delay over──▶ (start) RUNNING
-      │                ├──crash loop──▶ FAILED (the agent's exit or the worker restart that
-      │                │                 is the crash_loop_failures-th crash in the window)
-      │                ├──dead peer──▶ RUNNING (evict it; kill the old world's workers, or
-      │                │                 in-place mode: agree the next generation, the
-      │                │                 workers re-form; a re-form that fails or takes
-      │                │                 too long falls back to the kill)
-      │                ├──cut off from the majority──▶ (kill our agent) BACKOFF, held until
-      │                │                 the majority is reached again; never a failure
-      │                ├──our agent's round names a gone agent──▶ (kill our agent) BACKOFF,
-      │                │                 restarted at once; never a failure
-      │                ├──training hang──▶ RUNNING (kill our workers: a crash)
-      │                ├──loss diverged──▶ FAILED (a restart would diverge again)
-      │                └──this node cannot resume──▶ FAILED (it leaves; the others go on)
-    any non-final ──drain──▶ DRAINING ──agent gone──▶ STOPPED
+                       │ └──exit ≠ 0──▶ BACKOFF ──delay over──▶ (start) RUNNING
+                       ├──crash loop──▶ FAILED (the agent's exit or the worker restart that
+                       │                 is the crash_loop_failures-th crash in the window)
+                       ├──dead peer──▶ RUNNING (evict it; kill the old world's workers, or
+                       │                 in-place mode: agree the next generation, the
+                       │                 workers re-form; a re-form that fails or takes
+                       │                 too long falls back to the kill)
+                       ├──cut off from the majority──▶ (kill our agent) BACKOFF, held until
+                       │                 the majority is reached again; never a failure
+                       ├──our agent's round names a gone agent──▶ (kill our agent) BACKOFF,
+                       │                 restarted at once; never a failure
+                       ├──training hang──▶ RUNNING (kill our workers: a crash)
+                       ├──loss diverged──▶ FAILED (a restart would diverge again)
+                       └──this node cannot resume──▶ FAILED (it leaves; the others go on)
+    IDLE, RUNNING, BACKOFF ──drain──▶ DRAINING ──agent gone──▶ STOPPED
     any non-final ──job completed elsewhere, agent gone──▶ COMPLETED
     any non-final ──second stop signal──▶ STOPPED (hard)
 
