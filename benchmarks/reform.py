@@ -48,7 +48,8 @@ import torch.distributed as dist
 
 from elasticd import proctree
 from elasticd.embedded_etcd import free_port
-from elasticd.generation import GenerationId, GenerationRecord, renumber, shrink, write_file
+from elasticd.generation import GenerationId, GenerationRecord, renumber, shrink
+from elasticd.inplace.handover import hand_over
 from elasticd.rendezvous import torch_compat
 from trainer import reform
 
@@ -119,7 +120,7 @@ def run_loss(tmp: Path, mechanism: str, victim_rank0: bool) -> dict:
         assert record is not None
         agreed = time.time()
         for node in record.nodes:
-            write_file(str(tmp / f"{node}.generation.json"), record)
+            hand_over(str(tmp / f"{node}.generation.json"), record)
         survivors = [i for i in range(3) if i != victim]
 
         def first_new(i: int) -> dict | None:

@@ -56,13 +56,15 @@ from elasticd.agent import (
 from elasticd.config import RELOADABLE, Config, load_config
 from elasticd.errors import ElasticdError, EtcdError
 from elasticd.etcd_client import EtcdClient, deadline
+from elasticd.inplace.agreement import ShrinkOutcome, shrink_world
+from elasticd.inplace.handover import hand_over
+from elasticd.inplace.store import StoreHost
 from elasticd.journal import Journal
 from elasticd.membership import Membership
 from elasticd.metrics import Metrics
 from elasticd.observer import CheckpointScanner, JobReader, ProgressReader, reap_orphans
 from elasticd.preemption import Notice, PreemptionWatcher
 from elasticd.probe import Prober, ProbeServer
-from elasticd.recovery import StoreHost, shrink_world
 from elasticd.rendezvous import admin
 from elasticd.rendezvous.keys import JobKeys
 from elasticd.rendezvous.torch_compat import check_torch_apis
@@ -75,7 +77,6 @@ from elasticd.supervisor import (
     Memory,
     Phase,
     Policy,
-    ShrinkOutcome,
     Snapshot,
     decide,
 )
@@ -456,7 +457,7 @@ class Daemon:
 
     def _hand_over(self, out: ShrinkOutcome) -> ShrinkOutcome:
         try:
-            generation.write_file(str(self.files.generation), out.record)
+            hand_over(str(self.files.generation), out.record)
         except OSError as exc:
             return dataclasses.replace(out, status="failed",
                                        reason=f"the generation file was not written: {exc}")
@@ -486,7 +487,7 @@ class Daemon:
                              "wait torch's exit-barrier timeout at the job's end", reason=str(exc))
 
     def _write_generation(self, action: Action) -> None:
-        generation.write_file(str(self.files.generation), action["record"])
+        hand_over(str(self.files.generation), action["record"])
 
     def _reopen_rendezvous(self, action: Action) -> None:
         admin.reopen_if_closed(self.client, self.keys, deadline_s=RDZV_EDIT_S)

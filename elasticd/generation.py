@@ -25,7 +25,6 @@ This module is torch-free (the daemon and the trainer both import it).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -299,14 +298,6 @@ def read_file(path: str) -> GenerationRecord | None:
             return GenerationRecord.from_json(f.read())
     except FileNotFoundError:
         return None
-
-
-def write_file(path: str, record: GenerationRecord) -> None:
-    """Replace the local generation file atomically (a reader sees the old or the new one)."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(record.to_json())
-    os.replace(tmp, path)
 
 
 def _is_count(value: Any) -> bool:

@@ -25,10 +25,10 @@ import structlog
 from elasticd.errors import EtcdError
 from elasticd.etcd_client import EtcdClient, KeyValue
 from elasticd.generation import GenerationId, GenerationRecord, GenerationRecordError, WorldView
+from elasticd.inplace.reform import Reform
 from elasticd.rendezvous import state_ops
 from elasticd.rendezvous.keys import JobKeys
 from elasticd.rendezvous.rounds import CorruptRoundError, World, decode_pointer
-from elasticd.supervisor import Reform
 
 log = structlog.get_logger(__name__)
 

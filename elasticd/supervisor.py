@@ -51,6 +51,9 @@ from typing import Any
 
 from elasticd import quorum
 from elasticd.generation import GenerationId, GenerationRecord, WorldView
+from elasticd.inplace import loss
+from elasticd.inplace.agreement import ShrinkOutcome
+from elasticd.inplace.reform import Reform
 from elasticd.worker_contract import IN_PLACE, RESTART
 
 
@@ -195,34 +198,6 @@ class Eviction:
     peers: tuple[str, ...]
     ok: bool
     in_round: bool | None = None
-
-
-@dataclass(frozen=True)
-class Reform:
-    """A ``reformed`` / ``reform-failed`` progress record's details (None: not given)."""
-
-    event: str
-    duration_s: float | None = None
-    from_world_size: int | None = None
-    cause: str | None = None
-    reason: str | None = None
-
-
-@dataclass(frozen=True)
-class ShrinkOutcome:
-    """What the last SHRINK did (``recovery.shrink_world``).
-
-    ``status``: ``ok`` (a record naming us is agreed and handed to our workers),
-    ``fenced`` (the agreed record leaves us out), ``unneeded`` (the lost nodes were not
-    in our workers' world), ``failed`` (no in-place generation: ``reason`` says why).
-    ``wrote``: this daemon's compare-and-set made the record.
-    """
-
-    lost: tuple[str, ...]
-    status: str
-    record: GenerationRecord | None = None
-    reason: str = ""
-    wrote: bool = False
 
 
 @dataclass(frozen=True)
@@ -523,24 +498,25 @@ def _peer_news(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, lis
     for peer in snap.departed:
         if peer.node_id in mem.condemned:
             continue   # the majority's verdict was acted on already
-        if peer.state in GONE_STATES:
-            dead[peer.node_id] = Death(peer, "left")
-        elif peer.node_id in refused_at:
-            # We saw it refuse its probe moments ago: a crash, no need to ask again.
-            dead[peer.node_id] = Death(peer, "crashed")
-        else:
+        # A refusal moments ago needs no second probe.
+        how = loss.departed(peer.state in GONE_STATES,
+                            loss.REFUSED if peer.node_id in refused_at else None)
+        if how is None:
             suspects[peer.node_id] = (peer, snap.now)
             actions.append(act(Kind.CONFIRM_PEER, peer=peer))
+        else:
+            dead[peer.node_id] = Death(peer, how)
     for node_id, (peer, since) in list(suspects.items()):
         answer = snap.confirmations.get(node_id)
         if answer is None and snap.now - since < policy.confirm_timeout_s:
             continue
         del suspects[node_id]
-        if answer == "alive":
+        how = loss.departed(False, answer or loss.SILENT)   # no answer in time: silent
+        if how == loss.ALIVE:
             notes.append(f"peer {node_id}'s record vanished but it answers; waiting for it to "
                          "re-register")
         else:
-            dead[node_id] = Death(peer, "crashed" if answer == "refused" else "silent")
+            dead[node_id] = Death(peer, how)
     seen = frozenset(snap.peers)
     changed = snap.departed or (seen - mem.peers_seen)
     mem = replace(mem, suspects=suspects, dead=dead, peers_seen=seen, refused_at=refused_at,
@@ -592,20 +568,10 @@ def _held_verdicts(verdicts: Mapping[str, tuple[str, int] | None], condemned: fr
 
 def _own_suspicions(snap: Snapshot, mem: Memory, policy: Policy
                     ) -> tuple[dict[str, tuple[str, float]], dict[str, float]]:
-    """A refusal is a suspicion at once, a silence after ``silent_suspect_s``, an answer
-    clears both; a peer without a record is no longer anyone's to judge."""
-    answers = {**snap.probe_answers, **{p.node_id: "refused" for p in snap.refused}}
-    mine = {n: v for n, v in mem.suspicions.items() if n in snap.peers}
-    silent = {n: t for n, t in mem.silent_since.items() if n in snap.peers}
-    for node, answer in answers.items():
-        if node not in snap.peers or answer == "alive":
-            mine.pop(node, None)
-            silent.pop(node, None)
-        elif answer == "refused":
-            mine.setdefault(node, ("crashed", snap.now))
-        elif snap.now - silent.setdefault(node, snap.now) >= policy.silent_suspect_s:
-            mine.setdefault(node, ("silent", snap.now))
-    return mine, silent
+    """``loss.suspicions`` over this cycle's probes (a refusal seen by the prober counts too)."""
+    answers = {**snap.probe_answers, **{p.node_id: loss.REFUSED for p in snap.refused}}
+    return loss.suspicions(answers, snap.peers, mem.suspicions, mem.silent_since, snap.now,
+                           policy.silent_suspect_s)
 
 
 def _suspicion_note(node: str, how: str) -> str:
@@ -1071,7 +1037,7 @@ def _plan_shrink(snap: Snapshot, mem: Memory, deaths: list[Death]) -> tuple[Memo
         # was found gone, and the re-form's timer then killed the new group mid-start: 6
         # steps lost). The restart under way forms its round without the lost peer.
         return mem, [], " and restarting the local workers (they have not stepped since they started)"
-    fault = f"peer-{deaths[0].how}"
+    fault = loss.loss_cause(d.how for d in deaths)
     ip = mem.in_place or InPlace((), snap.now, snap.generation, fault)
     # A peer that drains is left out too: its coordinated stop needs the whole old world
     # (a lost member holds it until its drain grace, 30 s), and it re-forms with no one

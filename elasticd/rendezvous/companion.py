@@ -1,11 +1,12 @@
 """In-place recovery for plain torchrun (``--rdzv-conf recovery=in-place``, no daemon).
 
 Under the daemon, a lost peer is detected, the next generation agreed and handed to the
-workers by the daemon (``recovery.py``, ``supervisor.py``). With plain torchrun the
+workers by the daemon (``supervisor.py``, ``daemon.py``), by the in-place protocol
+of ``elasticd.inplace``. With plain torchrun the
 agent is alone, so this companion, started by the plugin's handler inside the agent
 process, does the daemon's part of that contract for its own workers:
 
-* it hosts a ``recovery.StoreHost`` (a re-formed group with this node as rank 0 forms
+* it hosts an ``inplace.store.StoreHost`` (a re-formed group with this node as rank 0 forms
   through it) and a ``probe.ProbeServer`` for the agent's life;
 * after each completed round it publishes ``rdzv/recovery/<round>/<agent>`` (probe,
   store, the workers' world from their progress file, ``done`` once they completed)
@@ -16,13 +17,17 @@ process, does the daemon's part of that contract for its own workers:
   ``ELASTICD_PROGRESS_FILE``; ``ELASTICD_GENERATION`` is the handler's
   (``export_generation``);
 * a thread probes the round's other members (``probe.ring_successors`` of those with a
-  record, and every member whose record vanished): *refused* is a crashed agent (its
-  record is deleted, so every survivor sees it at once), a vanished record (the lease
-  expired: a frozen or cut-off agent) whose probe is not answered is a silent one;
-  ``find_lost`` decides, purely;
-* a loss is agreed with ``recovery.shrink_world`` (one compare-and-set on the job's
-  ``generation`` key, shared with the daemons' contract), written to the generation file
-  (the workers re-form), and the old round's exit barrier is released
+  record, every member a peer suspects, and every member whose record vanished) and
+  judges them by the in-place protocol's one rule (``elasticd.inplace.loss``, the
+  daemon's too): its own suspicions are published in its record (``suspects``), a
+  member whose record lives is lost only when a strict majority of the round's live
+  members suspect it (its record is then deleted, so every survivor sees it at once),
+  never by a companion cut off from the majority; a member whose record vanished is
+  confirmed by a probe (refused: crashed; unanswered: silent; answered: it moved on to
+  another round, torchrun's restart). ``judge`` decides, purely;
+* a loss is agreed with ``inplace.agreement.shrink_world`` (one compare-and-set on the
+  job's ``generation`` key, shared with the daemons' contract), handed to the workers
+  (``inplace.handover``: they re-form), and the old round's exit barrier is released
   (``admin.release_exit_barrier``) by the companion whose write made the record; a
   record of our round agreed by another survivor is handed over too (the backstop).
 
@@ -44,13 +49,13 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from elasticd import generation
+from elasticd import quorum
 from elasticd.errors import EtcdError
 from elasticd.etcd_client import EtcdClient, deadline, no_retry
 from elasticd.generation import (
@@ -60,10 +65,14 @@ from elasticd.generation import (
     WorldView,
     is_endpoint,
 )
+from elasticd.inplace import loss
+from elasticd.inplace.agreement import shrink_world
+from elasticd.inplace.handover import hand_over
+from elasticd.inplace.loss import Loss
+from elasticd.inplace.store import StoreHost
 from elasticd.lease import LeaseKeeper
 from elasticd.observer import ProgressReader
 from elasticd.probe import Liveness, ProbeServer, probe, ring_successors
-from elasticd.recovery import StoreHost, shrink_world
 from elasticd.rendezvous import admin
 from elasticd.rendezvous.keys import JobKeys
 from elasticd.worker_contract import IN_PLACE
@@ -96,11 +105,12 @@ class PeerRecord:
     store: str | None = None
     world: WorldView | None = None
     done: bool = False            # its workers completed: its departure is no loss
+    suspects: frozenset[str] = frozenset()   # the members it suspects (``quorum``'s votes)
 
     def encode(self) -> bytes:
         return json.dumps({"probe": self.probe, "store": self.store, "done": self.done,
-                           "world": None if self.world is None else self.world.to_record()},
-                          sort_keys=True).encode()
+                           "world": None if self.world is None else self.world.to_record(),
+                           "suspects": sorted(self.suspects)}, sort_keys=True).encode()
 
     @classmethod
     def decode(cls, node: str, raw: bytes | str) -> PeerRecord | None:
@@ -117,56 +127,63 @@ class PeerRecord:
                 raise ValueError("done must be a boolean")
             world = data.get("world")
             view = None if world is None else WorldView.from_record(node, world)
+            suspects = data.get("suspects", [])
+            if not isinstance(suspects, list) or not all(isinstance(n, str) for n in suspects):
+                raise ValueError("suspects must be a list of node names")
         except (ValueError, TypeError, GenerationRecordError) as exc:
             log.warning("ignoring a malformed recovery record", node=node, problem=str(exc))
             return None
-        return cls(node, data["probe"], store, view, done)
+        return cls(node, data["probe"], store, view, done, frozenset(suspects))
 
 
 @dataclass(frozen=True)
-class Loss:
-    lost: tuple[str, ...]
-    cause: str                    # peer-crashed | peer-silent
+class Judgement:
+    """What one round's companion remembers between its ticks (``judge``)."""
+
+    suspicions: Mapping[str, tuple[str, float]] = field(default_factory=dict)
+    silent_since: Mapping[str, float] = field(default_factory=dict)
+    isolated: bool = False
+    condemned: frozenset[str] = frozenset()   # the majority's verdicts (records to delete)
+    loss: Loss | None = None
 
 
-def find_lost(me: str, known: Mapping[str, PeerRecord], present: Iterable[str],
-              answers: Mapping[str, Liveness], current: Iterable[str] | None,
-              finished: bool) -> Loss | None:
-    """The peers lost from our workers' world, or None.
+def judge(me: str, known: Mapping[str, PeerRecord], present: Iterable[str],
+          answers: Mapping[str, Liveness], world: Iterable[str] | None, finished: bool,
+          prior: Judgement, now: float, silent_suspect_s: float) -> Judgement:
+    """One tick's verdicts by ``inplace.loss``'s rule.
 
     ``known``: every member's last record seen this round; ``present``: those whose
-    record exists now; ``answers``: the last probe of each; ``current``: the nodes of
-    our workers' current generation (None: unknown yet, every known peer counts).
-    A refused probe is a crash; a vanished record whose probe was not answered is a
-    silent peer (a vanished record whose agent answers has moved to another round: a
-    restart, torchrun's business). A peer whose workers completed, and every peer
-    once our own workers finished, is never lost.
+    record exists now; ``answers``: the last probe of each; ``world``: the nodes of our
+    workers' current generation (None: unknown yet, every known member counts). A
+    member whose workers completed, and every member once our own workers finished, is
+    never lost.
     """
-    if finished:
-        return None
-    present, members = set(present), None if current is None else set(current)
-    crashed, silent = [], []
-    for node in sorted(known):
-        if node == me or known[node].done or (members is not None and node not in members):
-            continue
-        answer = answers.get(node)
-        if answer is Liveness.REFUSED:
-            crashed.append(node)
-        elif node not in present and answer is Liveness.SILENT:
-            silent.append(node)
-    if not crashed and not silent:
-        return None
-    return Loss(tuple(sorted(crashed + silent)), "peer-silent" if silent else "peer-crashed")
+    present = set(present)
+    peers = {n: known[n] for n in present if n in known and n != me and not known[n].done}
+    said = {n: a.value for n, a in answers.items()}
+    mine, silent = loss.suspicions(said, peers, prior.suspicions, prior.silent_since, now,
+                                   silent_suspect_s)
+    condemned = quorum.condemned(me, set(mine), peers)
+    verdicts = {n: mine.get(n, (loss.SILENT, now))[0] for n in condemned}
+    for node in set(known) - present - {me}:
+        if not known[node].done:
+            how = loss.departed(False, said.get(node))
+            if how is not None:
+                verdicts[node] = how
+    members = None if world is None else set(world)
+    return Judgement(mine, silent, quorum.isolated(me, set(mine), peers), condemned,
+                     None if finished else loss.loss_of(me, verdicts, members))
 
 
 def probe_targets(me: str, known: Iterable[str], present: Iterable[str],
-                  neighbours: int = NEIGHBOURS) -> list[str]:
-    """Whom one probe round asks: our ring successors among the present records, and
-    every known member whose record vanished (its confirmation)."""
+                  suspected: Iterable[str] = (), neighbours: int = NEIGHBOURS) -> list[str]:
+    """Whom one probe round asks: our ring successors among the present records, every
+    present member a peer suspects (its vote counts only if we probe it too), and every
+    known member whose record vanished (its confirmation)."""
     present = set(present)
     known = set(known) - {me}
     ring = ring_successors(me, known & present, neighbours)
-    return sorted(set(ring) | (known - present))
+    return sorted(set(ring) | (known & present & set(suspected)) | (known - present))
 
 
 def workers_generation(reported: GenerationId | None,
@@ -314,6 +331,7 @@ class _Round:
         self.answers: dict[str, Liveness] = {}
         self.adopted: GenerationRecord | None = None
         self.finished = False
+        self.judgement = Judgement()
         self.reported_fail: tuple[str, ...] = ()
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="elasticd-rprobe")
@@ -365,25 +383,32 @@ class _Round:
             self.mine = replace(self.mine, done=True)   # our departure soon is no loss
         with no_retry(), deadline(ETCD_DEADLINE_S):
             self.publish()
-            if list_now or not self.known:
-                self._list()
+            if list_now or not self.known or self.judgement.suspicions:
+                self._list()   # a suspicion's votes are in the others' fresh records
         self._probe_round()
-        refused = [n for n, a in self.answers.items() if a is Liveness.REFUSED
-                   and n in self.present]
-        if refused:
-            with no_retry(), deadline(ETCD_DEADLINE_S):
-                self._list()   # first the fresh records: a peer that completed says so
-                for node in refused:
-                    record = self.known.get(node)
-                    if node in self.present and record is not None and not record.done:
-                        # Every survivor's listing sees the crash at once.
-                        self.owner._client.delete(self.owner._keys.rdzv_recovery(self.round)
-                                                  + node)
-                        self.present.discard(node)
-        loss = find_lost(self.me, self.known, self.present, self.answers, self._current(),
-                         self.finished)
-        if loss is not None and self._stop.is_set() is False:
-            self._recover(loss, reported)
+        was = self.judgement
+        self.judgement = judge(self.me, self.known, self.present, self.answers, self._current(),
+                               self.finished, was, time.monotonic(), self.owner._ttl_s)
+        self._report(was, self.judgement)
+        suspects = frozenset(self.judgement.suspicions)
+        if suspects != self.mine.suspects:
+            self.mine = replace(self.mine, suspects=suspects)
+        with no_retry(), deadline(ETCD_DEADLINE_S):
+            self.publish()
+            for node in sorted(self.judgement.condemned & self.present):
+                # The majority's verdict: every survivor's listing sees it gone at once.
+                self.owner._client.delete(self.owner._keys.rdzv_recovery(self.round) + node)
+                self.present.discard(node)
+        if self.judgement.loss is not None and self._stop.is_set() is False:
+            self._recover(self.judgement.loss, reported)
+
+    def _report(self, was: Judgement, now: Judgement) -> None:
+        """One line when this companion is cut off from the majority, and when it is back."""
+        if now.isolated != was.isolated:
+            log.warning("this agent reaches only a minority of the round's members: it "
+                        "condemns nobody and waits" if now.isolated else
+                        "this agent reaches the majority of the round's members again",
+                        round=self.round, suspects=sorted(now.suspicions))
 
     def publish(self, force: bool = False) -> None:
         if not force and self.published == self.mine:
@@ -410,7 +435,8 @@ class _Round:
         self._backstop(found.get(keys.generation))
 
     def _probe_round(self) -> None:
-        targets = probe_targets(self.me, self.known, self.present)
+        suspected = {n for r in self.known.values() for n in r.suspects}
+        targets = probe_targets(self.me, self.known, self.present, suspected)
         if not targets:
             return
         try:
@@ -483,7 +509,7 @@ class _Round:
                      status="ok" if record.member(self.me) else "fenced")
 
     def _hand_over(self, record: GenerationRecord) -> None:
-        generation.write_file(str(self.owner.generation_file), record)
+        hand_over(str(self.owner.generation_file), record)
         self.adopted = record
         for node in record.lost:
             self.answers.pop(node, None)

@@ -12,7 +12,7 @@ the process-tree helpers (``proctree``, ``Daemon._tree``) and systemd (``FakeSys
 Time is the fake clock. Every test asserts an effect another component sees: a key in
 etcd, a file, a datagram, a signal sent, a metric, a field of the ``Snapshot``.
 
-Not here: ``SHRINK`` (``recovery.shrink_world`` agrees a generation among the daemons'
+Not here: ``SHRINK`` (``inplace.agreement.shrink_world`` agrees a generation among the daemons'
 TCP stores; see tests/daemon/test_recovery.py and the in-place runs).
 """
 

@@ -20,8 +20,8 @@ from elasticd.generation import (
     read_file,
     renumber,
     shrink,
-    write_file,
 )
+from elasticd.inplace.handover import hand_over
 
 G = GenerationId(4, 0, "ep")
 STORES = {"a": "10.0.0.1:29600", "b": "10.0.0.2:29600", "c": "10.0.0.3:29600"}
@@ -180,8 +180,8 @@ def test_world_views_round_trip_through_the_node_record():
 def test_the_file_round_trips_and_is_replaced_whole(tmp_path):
     path = str(tmp_path / "generation.json")
     assert read_file(path) is None
-    write_file(path, ABC)
+    hand_over(path, ABC)
     assert read_file(path) == ABC
     nxt = shrink(ABC, ["b"], STORES)
-    write_file(path, nxt)
+    hand_over(path, nxt)
     assert read_file(path) == nxt and sorted(p.name for p in tmp_path.iterdir()) == ["generation.json"]

@@ -13,11 +13,12 @@ import pytest
 from elasticd.errors import EtcdError
 from elasticd.etcd_client import EtcdClient, EtcdSettings
 from elasticd.generation import GenerationId, GenerationRecord, WorldView, renumber
+from elasticd.inplace.agreement import shrink_world
+from elasticd.inplace.reform import Reform
+from elasticd.inplace.store import StoreHost
 from elasticd.membership import parse_record
 from elasticd.observer import JobReader, parse_progress
-from elasticd.recovery import StoreHost, shrink_world
 from elasticd.rendezvous.keys import JobKeys
-from elasticd.supervisor import Reform
 
 G = GenerationId(2, 0, "ep")
 STORES = {"a": "127.0.0.1:29600", "b": "127.0.0.1:29601", "c": "127.0.0.1:29602"}

@@ -13,6 +13,8 @@ import pytest
 
 from elasticd import supervisor
 from elasticd.generation import GenerationId, GenerationRecord, WorldView, renumber
+from elasticd.inplace.agreement import ShrinkOutcome
+from elasticd.inplace.reform import Reform
 from elasticd.supervisor import (
     PHASE_EDGES,
     Death,
@@ -24,8 +26,6 @@ from elasticd.supervisor import (
     PeerView,
     Phase,
     Policy,
-    Reform,
-    ShrinkOutcome,
     Snapshot,
     change_phase,
     decide,

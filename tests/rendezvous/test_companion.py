@@ -7,18 +7,20 @@ import json
 import os
 import subprocess
 import time
+from dataclasses import replace
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elasticd.errors import ConfigError
 from elasticd.generation import GenerationId, GenerationRecord, WorldView, renumber
+from elasticd.inplace.loss import Loss
 from elasticd.probe import Liveness
 from elasticd.rendezvous.companion import (
-    Loss,
+    Judgement,
     PeerRecord,
     RecoveryCompanion,
-    find_lost,
+    judge,
     probe_targets,
     remove_stale_dirs,
     workers_generation,
@@ -26,6 +28,7 @@ from elasticd.rendezvous.companion import (
 from elasticd.rendezvous.handler import parse_params
 
 GEN = GenerationId(4, 0, "e")
+T = 100.0
 
 
 def _known(*nodes: str, done: tuple[str, ...] = ()) -> dict[str, PeerRecord]:
@@ -34,52 +37,89 @@ def _known(*nodes: str, done: tuple[str, ...] = ()) -> dict[str, PeerRecord]:
             for i, n in enumerate(nodes)}
 
 
-def test_a_refused_probe_is_a_crash_even_while_the_record_lasts():
+def _judge(me, known, present, answers, world=None, finished=False, prior=None, now=T,
+           silent_s=5.0):
+    return judge(me, known, present, answers, world, finished, prior or Judgement(), now, silent_s)
+
+
+def _suspecting(known: dict[str, PeerRecord], **suspects: str) -> dict[str, PeerRecord]:
+    """``known`` with each named member's record suspecting the given peers."""
+    return {n: replace(r, suspects=frozenset(suspects.get(n, ""))) for n, r in known.items()}
+
+
+def test_a_refused_probe_is_a_suspicion_and_a_crash_once_a_majority_suspects():
     known = _known("a", "b", "c")
-    loss = find_lost("a", known, {"a", "b", "c"}, {"b": Liveness.REFUSED, "c": Liveness.ALIVE},
-                     None, finished=False)
-    assert loss == Loss(("b",), "peer-crashed")
+    alone = _judge("a", known, {"a", "b", "c"}, {"b": Liveness.REFUSED, "c": Liveness.ALIVE})
+    assert alone.suspicions == {"b": ("crashed", T)} and alone.loss is None
+    assert alone.condemned == frozenset()
+    # c suspects b too: 2 of 3 live members, condemned.
+    both = _judge("a", _suspecting(known, c="b"), {"a", "b", "c"},
+                  {"b": Liveness.REFUSED, "c": Liveness.ALIVE})
+    assert both.condemned == {"b"} and both.loss == Loss(("b",), "peer-crashed")
+
+
+def test_a_companion_cut_off_from_the_majority_condemns_nobody():
+    """Behind a REJECT cut every probe is refused: a minority's votes fence nobody out."""
+    known = _suspecting(_known("a", "b", "c"), b="a", c="a")
+    cut = _judge("a", known, {"a", "b", "c"}, {"b": Liveness.REFUSED, "c": Liveness.REFUSED})
+    assert cut.isolated and cut.condemned == frozenset() and cut.loss is None
+
+
+def test_in_a_world_of_two_one_vote_is_no_majority():
+    known = _known("a", "b")
+    out = _judge("a", known, {"a", "b"}, {"b": Liveness.REFUSED})
+    assert out.loss is None, "the lease's expiry (etcd's majority) decides a world of two"
+    gone = _judge("a", known, {"a"}, {"b": Liveness.REFUSED}, prior=out)
+    assert gone.loss == Loss(("b",), "peer-crashed")
+
+
+def test_a_silence_is_a_suspicion_after_the_bound():
+    known = _suspecting(_known("a", "b", "c"), b="c")
+    first = _judge("a", known, {"a", "b", "c"}, {"c": Liveness.SILENT})
+    assert first.suspicions == {} and first.silent_since == {"c": T} and first.loss is None
+    later = _judge("a", known, {"a", "b", "c"}, {"c": Liveness.SILENT}, prior=first, now=T + 5)
+    assert later.loss == Loss(("c",), "peer-silent")
 
 
 def test_a_vanished_record_whose_agent_does_not_answer_is_a_silent_peer():
     known = _known("a", "b", "c")
-    assert find_lost("a", known, {"a", "b"}, {"c": Liveness.SILENT}, None, False) == Loss(
+    assert _judge("a", known, {"a", "b"}, {"c": Liveness.SILENT}).loss == Loss(
         ("c",), "peer-silent")
     # Not probed yet: no verdict.
-    assert find_lost("a", known, {"a", "b"}, {}, None, False) is None
+    assert _judge("a", known, {"a", "b"}, {}).loss is None
 
 
 def test_a_vanished_record_whose_agent_answers_has_moved_on_to_a_restart():
     known = _known("a", "b", "c")
-    assert find_lost("a", known, {"a", "b"}, {"c": Liveness.ALIVE}, None, False) is None
+    assert _judge("a", known, {"a", "b"}, {"c": Liveness.ALIVE}).loss is None
 
 
 def test_slow_is_not_dead_while_the_record_lives():
     known = _known("a", "b", "c")
-    assert find_lost("a", known, {"a", "b", "c"}, {"c": Liveness.SILENT}, None, False) is None
+    assert _judge("a", known, {"a", "b", "c"}, {"c": Liveness.SILENT}).loss is None
 
 
 def test_completed_peers_finished_workers_and_former_members_are_never_lost():
     known = _known("a", "b", "c", done=("b",))
     refused = {"b": Liveness.REFUSED, "c": Liveness.REFUSED}
-    assert find_lost("a", known, {"a"}, refused, None, False) == Loss(("c",), "peer-crashed")
-    assert find_lost("a", known, {"a"}, refused, None, finished=True) is None
-    assert find_lost("a", known, {"a"}, refused, ("a", "b"), False) is None
-    assert find_lost("c", known, {"a"}, refused, None, False) is None  # never itself
+    assert _judge("a", known, {"a"}, refused).loss == Loss(("c",), "peer-crashed")
+    assert _judge("a", known, {"a"}, refused, finished=True).loss is None
+    assert _judge("a", known, {"a"}, refused, world=("a", "b")).loss is None
+    assert _judge("c", known, {"a"}, refused).loss is None  # never itself
 
 
 def test_two_losses_at_once_are_one_shrink_and_silence_names_the_cause():
     known = _known("a", "b", "c", "d")
-    loss = find_lost("a", known, {"a", "b", "c"}, {"b": Liveness.REFUSED, "d": Liveness.SILENT},
-                     None, False)
-    assert loss == Loss(("b", "d"), "peer-silent")
+    out = _judge("a", known, {"a", "c"}, {"b": Liveness.REFUSED, "d": Liveness.SILENT})
+    assert out.loss == Loss(("b", "d"), "peer-silent")
 
 
-def test_probe_targets_are_ring_successors_plus_every_vanished_member():
+def test_probe_targets_are_ring_successors_the_suspected_and_every_vanished_member():
     known = ["a", "b", "c", "d", "e"]
     assert probe_targets("a", known, known, neighbours=2) == ["b", "c"]
     assert probe_targets("d", known, known, neighbours=2) == ["a", "e"]
     assert probe_targets("a", known, ["a", "b", "c", "e"], neighbours=2) == ["b", "c", "d"]
+    assert probe_targets("a", known, known, suspected={"e", "a"}, neighbours=2) == ["b", "c", "e"]
     assert probe_targets("a", ["a"], ["a"]) == []
 
 
@@ -98,7 +138,8 @@ def test_record_round_trip_and_malformed_records_are_ignored():
     bare = PeerRecord("x", "h:1")
     assert PeerRecord.decode("x", bare.encode()) == bare
     for raw in (b"nope", b"[]", b'{"probe": "nohost"}', b'{"probe": "h:1", "store": 5}',
-                b'{"probe": "h:1", "done": "yes"}', b'{"probe": "h:1", "world": {"nproc": 0}}'):
+                b'{"probe": "h:1", "done": "yes"}', b'{"probe": "h:1", "world": {"nproc": 0}}',
+                b'{"probe": "h:1", "suspects": [1]}', b'{"probe": "h:1", "suspects": "b"}'):
         assert PeerRecord.decode("x", raw) is None, raw
 
 
@@ -235,3 +276,20 @@ def test_a_peer_that_moved_on_or_completed_is_no_loss(three, client, keys, tmp_p
     b.stop(done=True)          # its agent exits after success
     time.sleep(2.0)
     assert _record(a) is None and client.get(keys.generation) is None
+
+
+@pytest.mark.process
+def test_a_companion_behind_a_reject_cut_fences_nobody_out(three, client, keys, monkeypatch):
+    """Every probe of a's is refused (a firewall that rejects; its etcd link is fine): a
+    suspects b and c, but it is a minority of one, so no record is deleted and no
+    generation agreed (before the majority rule: a agreed {a} alone in ~0.3 s)."""
+    a = three["a"]._round
+
+    def cut_off() -> None:
+        a.answers.update({"b": Liveness.REFUSED, "c": Liveness.REFUSED})
+
+    monkeypatch.setattr(a, "_probe_round", cut_off)
+    time.sleep(3.0)
+    records, _ = client.list_prefix(keys.rdzv_recovery(0))
+    assert len(records) == 3 and client.get(keys.generation) is None
+    assert _record(three["a"]) is None

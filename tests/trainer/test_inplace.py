@@ -35,8 +35,8 @@ from elasticd.generation import (
     grow,
     renumber,
     shrink,
-    write_file,
 )
+from elasticd.inplace.handover import hand_over
 from tests.oracle import (
     Run,
     consumed_exactly_once,
@@ -129,7 +129,7 @@ class World:
         """What each daemon does with an agreed record: hand it to its workers."""
         for w in self.workers:
             if w.node in (nodes or record.nodes + record.lost):
-                write_file(str(w.generation_file), record)
+                hand_over(str(w.generation_file), record)
 
     def wait_step(self, step: int, timeout_s: float = 60) -> None:
         ok = proctree.wait_for(lambda: all(w.step() >= step for w in self.workers), timeout_s)
@@ -144,7 +144,7 @@ class World:
         assert record is not None
         for w in self.workers:
             if w.node in (names or record.nodes):
-                write_file(str(w.generation_file), record)
+                hand_over(str(w.generation_file), record)
         return record
 
     def worker(self, node: str) -> Worker:
@@ -262,14 +262,14 @@ def test_a_re_form_whose_store_host_dies_follows_the_next_generation(world_of, t
         os.killpg(world.worker("n2").proc.pid, signal.SIGSTOP)     # never arrives
         proctree.kill_tree(world.worker("n0").proc.pid)
         first = shrink(world.base, ("n0",), {"n1": f"127.0.0.1:{port}"}, cause="peer-lost")
-        write_file(str(world.worker("n1").generation_file), first)
+        hand_over(str(world.worker("n1").generation_file), first)
         time.sleep(2.0)                                   # n1 waits for n2 in that store
         proctree.kill_tree(host.pid)
     finally:
         host.kill()
         host.wait()
     second = shrink(first, ("n2",), {"n1": f"127.0.0.1:{world.store.port}"}, cause="peer-lost")
-    write_file(str(world.worker("n1").generation_file), second)
+    hand_over(str(world.worker("n1").generation_file), second)
     assert world.wait("n1") == 0
     (event,) = _reformed(world.worker("n1"))   # renewed if the record came first
     assert event["generation"] == second.id.as_dict() and event["world_size"] == 1
@@ -308,7 +308,7 @@ def test_a_re_form_that_cannot_finish_falls_back_and_keeps_the_checkpoints(world
     dead = GenerationRecord(GenerationId(0, 1, EPOCH), renumber([("n0", 1), ("n1", 1)]),
                             f"127.0.0.1:{free_port()}", ("n2",))
     for node in ("n0", "n1"):
-        write_file(str(world.worker(node).generation_file), dead)
+        hand_over(str(world.worker(node).generation_file), dead)
     started = time.monotonic()
     assert world.wait("n0", 30) == 1 and world.wait("n1", 30) == 1
     assert time.monotonic() - started < 20
@@ -418,7 +418,7 @@ def test_a_generation_superseded_during_the_join_is_followed_not_waited_out(worl
     stores = {m.node: f"127.0.0.1:{world.store.port}" for m in first.members}
     second = shrink(first, ("n1",), stores, cause="peer-lost", created=time.time())
     for node in ("n0", "n3"):
-        write_file(str(world.worker(node).generation_file), second)
+        hand_over(str(world.worker(node).generation_file), second)
     assert world.wait("n0") == 0 and world.wait("n3") == 0
     history = _final_matches_the_replay(world, "n0", final)
     assert {w for w, _ in history.values()} == {4, 2}

@@ -1,24 +1,17 @@
-"""The daemon's side of in-place recovery: the TCP store it hosts and the agreement on
-the next generation (``elasticd.generation``).
+"""The agreement on the next in-place generation (``elasticd.generation``).
 
-* ``StoreHost``: every daemon hosts a ``torch.distributed.TCPStore`` (master, no
-  workers to wait for) for its whole life and publishes ``HOST:PORT`` as ``store`` in
-  its node record. A re-formed group forms through the store of its new rank 0's
-  daemon, so it never depends on a lost node's store (torchrun's store lives in the
-  rank-0 agent, and the etcd store in the agents' rendezvous).
-* ``shrink_world``: the next generation without the lost nodes, agreed by one
-  compare-and-set on ``JobKeys.generation``. Every survivor's daemon detects the
-  same loss and tries; the first write wins and the others adopt it, so all of them
-  hand the same record to their workers.
-
-The supervisor decides (``Kind.SHRINK``); the executors in ``daemon.py`` call these.
+``shrink_world``: the next generation without the lost nodes, agreed by one
+compare-and-set on ``JobKeys.generation``. Every survivor (each daemon, or each
+companion under plain torchrun) detects the same loss and tries; the first write wins
+and the others adopt it, so all of them hand the same record to their workers.
+``ShrinkOutcome`` says which.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
-from datetime import timedelta
+from dataclasses import dataclass
 
 import structlog
 
@@ -32,39 +25,26 @@ from elasticd.generation import (
     shrink,
 )
 from elasticd.rendezvous.keys import JobKeys
-from elasticd.supervisor import ShrinkOutcome
 
 log = structlog.get_logger(__name__)
 
 
-class StoreHost:
-    """This daemon's TCP store for re-formed groups; ``endpoint`` is None if it could not start."""
 
-    def __init__(self, addr: str, port: int = 0) -> None:
-        self._addr = addr
-        self._port = port
-        self._store = None
-        self.endpoint: str | None = None
+@dataclass(frozen=True)
+class ShrinkOutcome:
+    """What one agreement did (``shrink_world``).
 
-    def start(self) -> StoreHost:
-        import torch.distributed as dist
+    ``status``: ``ok`` (a record naming us is agreed: hand it to our workers),
+    ``fenced`` (the agreed record leaves us out), ``unneeded`` (the lost nodes were not
+    in our workers' world), ``failed`` (no in-place generation: ``reason`` says why).
+    ``wrote``: this node's compare-and-set made the record.
+    """
 
-        try:
-            self._store = dist.TCPStore(self._addr, self._port, is_master=True,
-                                        wait_for_workers=False, timeout=timedelta(seconds=30))
-        except (RuntimeError, OSError, ValueError) as exc:
-            # Not fatal: without a store this node cannot be a re-formed group's rank 0,
-            # so such a re-form takes the restart path.
-            log.warning("could not host the recovery TCP store; in-place re-forms with this "
-                        "node as rank 0 fall back to restarts", addr=self._addr, port=self._port,
-                        reason=str(exc), fix="set [recovery] store_port to a free port, or 0")
-            return self
-        self.endpoint = f"{self._addr}:{self._store.port}"
-        return self
-
-    def stop(self) -> None:
-        self._store = None   # the C++ store closes its listening socket when released
-        self.endpoint = None
+    lost: tuple[str, ...]
+    status: str
+    record: GenerationRecord | None = None
+    reason: str = ""
+    wrote: bool = False
 
 
 def shrink_world(client: EtcdClient, keys: JobKeys, node_id: str, lost: Iterable[str],
