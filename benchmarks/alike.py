@@ -13,7 +13,7 @@ so every run mixes the two kinds of process; no fault) and records, per run:
   weights (``benchmarks/alike_worker.py``): DDP replicas must end bit-identical;
 * the run's world-size history (the first round may form with fewer than 3 nodes and be
   restarted into 3) and the final checkpoint's relative difference from the single-process
-  float64 replay of that history (``elasticd.chaos.oracle``; the tests' tolerance is 1e-9);
+  float64 replay of that history (``elasticd.lab.chaos.oracle``; the tests' tolerance is 1e-9);
 * runs with the same history must end with the same weights, bit for bit.
 
 Results: JSON (every run) and markdown (the table and the verdicts).
@@ -32,10 +32,10 @@ from tempfile import TemporaryDirectory
 from typing import Any
 
 from checkpointing import CheckpointManager
-from elasticd.chaos.invariants import rank0_records
-from elasticd.chaos.oracle import Run, lineage, norm_rel_diff, replay_run
-from elasticd.chaos.run import progress_records
-from elasticd.local_cluster import local_cluster, wait_for
+from elasticd.lab.chaos.invariants import rank0_records
+from elasticd.lab.chaos.oracle import Run, lineage, norm_rel_diff, replay_run
+from elasticd.lab.chaos.run import progress_records
+from elasticd.lab.local_cluster import local_cluster, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = str(REPO / "benchmarks" / "alike_worker.py")

@@ -72,9 +72,9 @@ from benchmarks.mttr import (  # noqa: E402
     wait_quiet,
 )
 from elasticd import proctree  # noqa: E402
-from elasticd.chaos import liveness  # noqa: E402
-from elasticd.embedded_etcd import free_port  # noqa: E402
-from elasticd.local_cluster import (  # noqa: E402
+from elasticd.lab.chaos import liveness  # noqa: E402
+from elasticd.lab.embedded_etcd import free_port  # noqa: E402
+from elasticd.lab.local_cluster import (  # noqa: E402
     MLP,
     TRAIN_ARGS,
     Cluster,
@@ -323,7 +323,7 @@ def out_intervals(sent: list[dict[str, Any]], nodes: int = NODES) -> dict[str, l
 
 def liveness_of(records: list[dict[str, Any]], sent: list[dict[str, Any]], t0: float,
                 t1: float) -> dict[str, Any]:
-    """The liveness invariant over the window (``elasticd.chaos.liveness``), the longest
+    """The liveness invariant over the window (``elasticd.lab.chaos.liveness``), the longest
     pause and the actions sent in the 30 s before it (the fault sequence behind it)."""
     steps = [r["time"] - t0 for r in records if r.get("event") in STEP_EVENTS]
     out = out_intervals(sent)
@@ -633,7 +633,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", f"## Liveness: the longest pause (target <= lease TTL + 5 s = {PAUSE_TARGET_S:.0f} s)",
               "", f"The invariant: whenever at least {MIN_NODES} nodes had been in the job (live, "
               f"unfrozen) for over {LIVENESS_BOUND_S:.0f} s (lease TTL + restart bound), the job "
-              "stepped (`elasticd/chaos/liveness.py`).", ""]
+              "stepped (`elasticd/lab/chaos/liveness.py`).", ""]
     for system, g in summary.items():
         worst, owed = g.get("longest_pause_s"), g.get("liveness_violations")
         if worst is None and owed is None:

@@ -100,8 +100,8 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from elasticd import proctree  # noqa: E402
-from elasticd.embedded_etcd import etcd_version, find_etcd_binary, free_port  # noqa: E402
-from elasticd.local_cluster import (  # noqa: E402
+from elasticd.lab.embedded_etcd import etcd_version, find_etcd_binary, free_port  # noqa: E402
+from elasticd.lab.local_cluster import (  # noqa: E402
     MLP,
     REPO,
     TRAIN_ARGS,
@@ -171,7 +171,7 @@ LAST: dict[str, Callable[[str, dict, int], bool]] = {
 }
 
 
-# -- clusters (elasticd.local_cluster builds, runs and cleans up the nodes) ---------------
+# -- clusters (elasticd.lab.local_cluster builds, runs and cleans up the nodes) ---------------
 
 @dataclass
 class Bench:

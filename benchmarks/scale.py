@@ -65,8 +65,8 @@ from benchmarks.mttr import TUNED_CONF, loadavg, machine
 from benchmarks.scale_node import node_config
 from elasticd import proctree
 from elasticd.agent import torchrun_command
-from elasticd.embedded_etcd import EmbeddedEtcd, free_port
 from elasticd.etcd_client import EtcdClient, EtcdSettings
+from elasticd.lab.embedded_etcd import EmbeddedEtcd, free_port
 from elasticd.rendezvous.keys import JobKeys
 
 REPO = Path(__file__).resolve().parents[1]

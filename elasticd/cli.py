@@ -30,7 +30,7 @@ def main() -> None:
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def chaos(args: tuple[str, ...]) -> None:
     """Run a chaos scenario on a local cluster (``elasticd chaos --help``)."""
-    from elasticd.chaos.__main__ import main as chaos_main
+    from elasticd.lab.chaos.__main__ import main as chaos_main
 
     sys.exit(chaos_main(list(args), prog="elasticd chaos"))
 
@@ -196,7 +196,7 @@ def demo(crash_at: int, rejoin_after: float, drain_after: float, stop_after: flo
     """Run a 3-node elastic job on this machine: crash, rejoin, drain; torchrun beside it."""
     from pathlib import Path
 
-    from elasticd.demo import Demo, Settings, format_summary
+    from elasticd.lab.demo import Demo, Settings, format_summary
 
     if crash_at < 1:
         raise click.BadParameter(f"--crash-at {crash_at} must be at least 1")

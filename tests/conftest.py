@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from elasticd import proctree
-from elasticd.embedded_etcd import ETCD_BIN_ENV, EmbeddedEtcd, etcd_version, find_etcd_binary
 from elasticd.etcd_client import EtcdClient, EtcdSettings
+from elasticd.lab.embedded_etcd import ETCD_BIN_ENV, EmbeddedEtcd, etcd_version, find_etcd_binary
 from elasticd.rendezvous.keys import JobKeys
 
 proctree.become_subreaper()

@@ -1,4 +1,4 @@
-"""The replay oracles of the tests: the MLP example's (``elasticd.chaos.oracle``, re-exported
+"""The replay oracles of the tests: the MLP example's (``elasticd.lab.chaos.oracle``, re-exported
 here) and the drop-in loop's (``replay_dropin``, with its exactly-once check).
 
 Every step of the MLP example is one SGD update on the step's whole global batch (the
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 # The MLP replay lives with the chaos harness (which must not import tests/); one definition.
-from elasticd.chaos.oracle import Run, lineage, max_rel_diff, norm_rel_diff, replay, step_history
+from elasticd.lab.chaos.oracle import Run, lineage, max_rel_diff, norm_rel_diff, replay, step_history
 from trainer.distributed_sampler import stream_indices
 from trainer.examples import regression
 

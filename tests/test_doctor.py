@@ -17,8 +17,8 @@ from click.testing import CliRunner
 
 from elasticd import doctor
 from elasticd.cli import main
-from elasticd.embedded_etcd import free_port
 from elasticd.etcd_client import EtcdClient, EtcdSettings
+from elasticd.lab.embedded_etcd import free_port
 from tests.conftest import etcdctl
 
 

@@ -8,10 +8,10 @@ import pytest
 
 from elasticd import proctree
 from elasticd.config import load_config
-from elasticd.embedded_etcd import EmbeddedEtcdCluster
 from elasticd.errors import EtcdUnavailable
 from elasticd.etcd_client import EtcdClient, EtcdSettings, no_retry
-from elasticd.local_cluster import local_cluster
+from elasticd.lab.embedded_etcd import EmbeddedEtcdCluster
+from elasticd.lab.local_cluster import local_cluster
 
 
 def _client(endpoints: tuple[str, ...]) -> EtcdClient:

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from elasticd import proctree
-from elasticd.local_cluster import AllreduceNode, latest, local_cluster, wait_for
+from elasticd.lab.local_cluster import AllreduceNode, latest, local_cluster, wait_for
 
 # Several real components and real waits (seconds each): in make test, not make check.
 pytestmark = pytest.mark.process
@@ -58,7 +58,7 @@ def test_an_error_in_the_block_still_kills_everything_it_started(tmp_path, job_i
 
 _HARNESS = r"""
 import dataclasses, pathlib, signal, sys, time
-from elasticd.local_cluster import Node
+from elasticd.lab.local_cluster import Node
 
 @dataclasses.dataclass
 class Sleeper(Node):

@@ -16,7 +16,7 @@ import pytest
 
 from benchmarks import steady_state
 from benchmarks.steady_worker import Pieces
-from elasticd.embedded_etcd import free_port
+from elasticd.lab.embedded_etcd import free_port
 from trainer.context import ElasticContext
 
 REPO = Path(__file__).resolve().parents[1]

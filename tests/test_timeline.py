@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from elasticd.cli import main
 from elasticd.etcd_client import EtcdClient, EtcdSettings
 from elasticd.journal import recent_events
-from elasticd.local_cluster import DaemonNode, local_cluster, stepping_at, wait_for
+from elasticd.lab.local_cluster import DaemonNode, local_cluster, stepping_at, wait_for
 from elasticd.rendezvous.keys import JobKeys
 from elasticd.timeline import Entry, build_timeline
 

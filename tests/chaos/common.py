@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from elasticd.chaos.invariants import Check, FaultMetrics, check_all
-from elasticd.chaos.report import to_markdown, write
-from elasticd.chaos.run import RunResult, run_scenario
-from elasticd.chaos.scenario import Scenario
+from elasticd.lab.chaos.invariants import Check, FaultMetrics, check_all
+from elasticd.lab.chaos.report import to_markdown, write
+from elasticd.lab.chaos.run import RunResult, run_scenario
+from elasticd.lab.chaos.scenario import Scenario
 
 
 def run_checked(sc: Scenario, tmp_path: Path, job: str) -> tuple[RunResult, list[Check], list[FaultMetrics]]:

@@ -1,11 +1,11 @@
 """Chaos: a seeded sequence of faults against a 3-node job (`make chaos`), on the harness
-(elasticd.chaos). By default every injector once, in an order drawn from the seed (the
+(elasticd.lab.chaos). By default every injector once, in an order drawn from the seed (the
 network faults in a sequence of their own, on the cluster's own network);
 ``CHAOS_SEED=N`` replays a sequence, ``CHAOS_ROUNDS=N`` draws N faults (with repeats).
 The overlapping sequence pairs the loopback faults: the second of each pair fires in a
 drawn phase of the first one's recovery, 0-2 s after that phase began (scenario.PHASES).
 After each fault the job must be back to a world of 3; at the end every invariant of
-elasticd.chaos.invariants must hold (the replay oracle, exactly-once, contiguous steps,
+elasticd.lab.chaos.invariants must hold (the replay oracle, exactly-once, contiguous steps,
 intact checkpoints, no corrupt load, bounded recovery, no process left, completion).
 """
 
@@ -17,9 +17,9 @@ import time
 
 import pytest
 
-from elasticd import netlab
-from elasticd.chaos.faults import INJECTORS
-from elasticd.chaos.scenario import draw
+from elasticd.lab import netlab
+from elasticd.lab.chaos.faults import INJECTORS
+from elasticd.lab.chaos.scenario import draw
 from tests.chaos.common import run_checked
 from tests.chaos.test_injectors import MOUNTED
 

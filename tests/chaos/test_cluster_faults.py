@@ -1,4 +1,4 @@
-"""The injectors of elasticd/chaos/cluster_faults.py without a job: what they refuse, and
+"""The injectors of elasticd/lab/chaos/cluster_faults.py without a job: what they refuse, and
 the filesystem filler on a real (1 MiB) tmpfs."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.chaos.cluster_faults import FILLER, fill
-from elasticd.chaos.faults import INJECTORS, InjectionError, Target
+from elasticd.lab.chaos.cluster_faults import FILLER, fill
+from elasticd.lab.chaos.faults import INJECTORS, InjectionError, Target
 
 
 class _Node:

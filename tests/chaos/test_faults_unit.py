@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticd.chaos.faults import InjectionError, await_workers
+from elasticd.lab.chaos.faults import InjectionError, await_workers
 
 
 def test_a_worker_fault_waits_for_a_worker_between_two_incarnations():

@@ -12,12 +12,12 @@ import subprocess
 
 import pytest
 
-from elasticd.chaos.cluster_faults import FILLER, EtcdLeaderKill, etcd_cluster
-from elasticd.chaos.faults import INJECTORS, default_kinds
-from elasticd.chaos.invariants import LEADER_CHANGE_S, check_all, rank0_records
-from elasticd.chaos.run import run_scenario
-from elasticd.chaos.scenario import FaultSpec, Scenario
-from elasticd.local_cluster import Cluster, json_lines, record_time
+from elasticd.lab.chaos.cluster_faults import FILLER, EtcdLeaderKill, etcd_cluster
+from elasticd.lab.chaos.faults import INJECTORS, default_kinds
+from elasticd.lab.chaos.invariants import LEADER_CHANGE_S, check_all, rank0_records
+from elasticd.lab.chaos.run import run_scenario
+from elasticd.lab.chaos.scenario import FaultSpec, Scenario
+from elasticd.lab.local_cluster import Cluster, json_lines, record_time
 from tests.chaos.common import run_checked
 
 pytestmark = pytest.mark.chaos

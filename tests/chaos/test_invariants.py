@@ -10,11 +10,11 @@ from datetime import UTC, datetime
 import pytest
 
 from checkpointing import CheckpointManager, reader
-from elasticd.chaos import invariants as inv
-from elasticd.chaos.faults import Target, corrupt_newest, newest_committed
-from elasticd.chaos.oracle import lineage, replay_run
-from elasticd.chaos.run import RUN, FaultRecord, RunResult
-from elasticd.chaos.scenario import FaultSpec, Scenario
+from elasticd.lab.chaos import invariants as inv
+from elasticd.lab.chaos.faults import Target, corrupt_newest, newest_committed
+from elasticd.lab.chaos.oracle import lineage, replay_run
+from elasticd.lab.chaos.run import RUN, FaultRecord, RunResult
+from elasticd.lab.chaos.scenario import FaultSpec, Scenario
 
 FINAL = 60
 T0 = 1_000_000.0

@@ -1,11 +1,11 @@
-"""The liveness invariant's arithmetic (``elasticd.chaos.liveness``) on hand-made timelines:
+"""The liveness invariant's arithmetic (``elasticd.lab.chaos.liveness``) on hand-made timelines:
 it passes a job that steps whenever enough nodes have settled, and bites on a stall."""
 
 from __future__ import annotations
 
 import math
 
-from elasticd.chaos import liveness as lv
+from elasticd.lab.chaos import liveness as lv
 
 INF = math.inf
 NODES = ("a", "b", "c")

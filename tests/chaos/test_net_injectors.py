@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from elasticd import netlab
-from elasticd.chaos.invariants import FaultMetrics
-from elasticd.chaos.net_faults import NET_INJECTORS
-from elasticd.chaos.run import SETTLE_S, FaultRecord
-from elasticd.chaos.scenario import FaultSpec
-from elasticd.local_cluster import json_lines, record_time
+from elasticd.lab import netlab
+from elasticd.lab.chaos.invariants import FaultMetrics
+from elasticd.lab.chaos.net_faults import NET_INJECTORS
+from elasticd.lab.chaos.run import SETTLE_S, FaultRecord
+from elasticd.lab.chaos.scenario import FaultSpec
+from elasticd.lab.local_cluster import json_lines, record_time
 from tests.chaos.common import run_checked
 from tests.chaos.test_injectors import one_fault
 

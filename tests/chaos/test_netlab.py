@@ -1,4 +1,4 @@
-"""The cluster's private network (elasticd.netlab) and the network faults' mechanics,
+"""The cluster's private network (elasticd.lab.netlab) and the network faults' mechanics,
 without daemons (seconds): members reach each other and only each other; a cut, the
 delayer and the heal do what they say; nothing is left behind, even when the block that
 made it fails, and a crashed run's namespaces are swept. Needs root and iproute2; the
@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from elasticd import netlab
-from elasticd.chaos import net_faults
+from elasticd.lab import netlab
+from elasticd.lab.chaos import net_faults
 
 pytestmark = pytest.mark.skipif(netlab.available() is not None, reason=str(netlab.available()))
 needs_iptables = pytest.mark.skipif(netlab.iptables_available() is not None,
@@ -75,7 +75,7 @@ def test_the_network_is_removed_when_the_block_fails():
 
 def test_a_crashed_runs_namespaces_are_swept_and_a_live_runs_are_not():
     # A process that makes a network and dies without closing it (SIGKILL: no finally).
-    code = ("import os, signal; from elasticd import netlab; n = netlab.Network().open(); n.add('a'); "
+    code = ("import os, signal; from elasticd.lab import netlab; n = netlab.Network().open(); n.add('a'); "
             "print(n.tag, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     tag = out.stdout.strip()
@@ -135,7 +135,7 @@ def test_the_packet_ids_of_a_queue_message_are_read():
 
 @pytest.mark.process
 def test_a_cluster_on_its_own_network_runs_etcd_in_a_namespace_and_leaves_nothing(tmp_path):
-    from elasticd.local_cluster import local_cluster
+    from elasticd.lab.local_cluster import local_cluster
 
     with pytest.raises(RuntimeError, match="boom"), local_cluster(tmp_path, network=True) as cluster:
         assert cluster.endpoint.startswith(netlab.ETCD_HOST + ":")
@@ -149,10 +149,10 @@ def test_a_cluster_on_its_own_network_runs_etcd_in_a_namespace_and_leaves_nothin
 def test_no_process_left_bites_on_a_namespace_the_cleanup_failed_to_delete(tmp_path, monkeypatch):
     """The cleanup weakened (namespace deletion made a no-op): the cluster reports the
     namespaces it could not remove, and the run's no-process-left check fails on them."""
-    from elasticd.chaos import invariants as inv
-    from elasticd.chaos.run import RUN, RunResult
-    from elasticd.chaos.scenario import FaultSpec, Scenario
-    from elasticd.local_cluster import local_cluster
+    from elasticd.lab.chaos import invariants as inv
+    from elasticd.lab.chaos.run import RUN, RunResult
+    from elasticd.lab.chaos.scenario import FaultSpec, Scenario
+    from elasticd.lab.local_cluster import local_cluster
 
     real = netlab.run
     monkeypatch.setattr(netlab, "run", lambda *cmd, check=True: real("true") if cmd[:3] == (

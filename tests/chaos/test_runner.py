@@ -15,9 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elasticd.chaos.faults import INJECTORS, InjectionError, Injector, Target
-from elasticd.chaos.run import entrypoint, wait_stable
-from elasticd.chaos.scenario import FaultSpec, Scenario, draw
+from elasticd.lab.chaos.faults import INJECTORS, InjectionError, Injector, Target
+from elasticd.lab.chaos.run import entrypoint, wait_stable
+from elasticd.lab.chaos.scenario import FaultSpec, Scenario, draw
 
 
 class FakeNode:
@@ -46,7 +46,7 @@ def _target(*nodes: FakeNode) -> Target:
 def test_targets_resolve_to_the_rank0_node_another_node_a_named_one_or_none():
     a, b, c = FakeNode("a", 1), FakeNode("b", 0), FakeNode("c", 2)
     t, rng = _target(a, b, c), random.Random(1)
-    from elasticd.chaos.run import resolve_target
+    from elasticd.lab.chaos.run import resolve_target
 
     def hit(kind: str, target: str):
         return resolve_target(FaultSpec(kind, target, 1), INJECTORS[kind](), t, rng)
@@ -90,7 +90,7 @@ def test_the_job_is_the_float64_mlp_with_every_step_logged_to_the_final_step():
 
 
 def test_the_default_draw_leaves_out_what_needs_a_mounted_filesystem_or_its_own_network():
-    from elasticd.chaos.faults import default_kinds
+    from elasticd.lab.chaos.faults import default_kinds
 
     network = {name for name, cls in INJECTORS.items() if cls.network}
     assert network >= {"partition-etcd", "partition-peers", "netem"}
@@ -108,7 +108,7 @@ def test_every_injector_is_drawable_and_named_once():
 
 
 def test_the_command_line_lists_the_faults_and_refuses_a_bad_scenario(tmp_path, capsys):
-    from elasticd.chaos.__main__ import main
+    from elasticd.lab.chaos.__main__ import main
 
     assert main(["--list"]) == 0
     listed = capsys.readouterr().out
@@ -123,7 +123,7 @@ def test_the_command_line_lists_the_faults_and_refuses_a_bad_scenario(tmp_path, 
 # -- overlapping faults: bursts, phases, what a burst's faults may hit -----------------------
 
 def test_faults_written_to_overlap_join_the_burst_of_the_fault_before():
-    from elasticd.chaos.run import bursts
+    from elasticd.lab.chaos.run import bursts
 
     a, b, c, d = (FaultSpec("drain", "any", 5), FaultSpec("node-kill", during="drain"),
                   FaultSpec("node-stop", during="reform", gap_s=1.0), FaultSpec("drain", "any", 50))
@@ -145,7 +145,7 @@ class LoggingNode(FakeNode):
 
 
 def test_an_overlapping_fault_waits_for_its_phase_after_the_previous_injection_then_the_gap(tmp_path):
-    from elasticd.chaos.run import await_phase
+    from elasticd.lab.chaos.run import await_phase
 
     a, b = LoggingNode("a", 0, tmp_path / "a.log"), LoggingNode("b", 1, tmp_path / "b.log")
     since = time.time()
@@ -160,7 +160,7 @@ def test_an_overlapping_fault_waits_for_its_phase_after_the_previous_injection_t
 
 
 def test_a_phase_that_never_begins_lets_the_fault_fire_at_the_timeout_marked_unseen(tmp_path):
-    from elasticd.chaos.run import await_phase
+    from elasticd.lab.chaos.run import await_phase
 
     a = LoggingNode("a", 0, tmp_path / "a.log")
     a.say("registered in etcd; watching peers")
@@ -172,7 +172,7 @@ def test_a_phase_that_never_begins_lets_the_fault_fire_at_the_timeout_marked_uns
 
 
 def test_a_burst_never_hits_a_node_an_earlier_fault_of_it_still_holds_down_it_retargets():
-    from elasticd.chaos.run import resolve_target
+    from elasticd.lab.chaos.run import resolve_target
 
     a, b, c = FakeNode("a", 1), FakeNode("b", 0), FakeNode("c", 2)
     t, rng = _target(a, b, c), random.Random(3)
@@ -205,7 +205,7 @@ class Marker(Injector):
 
 @pytest.mark.process
 def test_a_bursts_faults_fire_while_the_earlier_ones_heal_and_recover_as_one(monkeypatch):
-    from elasticd.chaos import run
+    from elasticd.lab.chaos import run
 
     monkeypatch.setitem(INJECTORS, "test-marker", Marker)
     monkeypatch.setattr(run, "SETTLE_S", 0.3)
@@ -237,7 +237,7 @@ class Spawner(Marker):
 
 
 def test_what_a_heal_starts_outlives_the_heal_until_the_run_is_over(monkeypatch):
-    from elasticd.chaos import run
+    from elasticd.lab.chaos import run
 
     monkeypatch.setitem(INJECTORS, "test-spawner", Spawner)
     monkeypatch.setattr(run, "wait_stable", lambda nodes, world, since, timeout_s, **kw: since)
@@ -255,7 +255,7 @@ def test_what_a_heal_starts_outlives_the_heal_until_the_run_is_over(monkeypatch)
 
 
 def test_the_command_line_names_itself_and_writes_reports_under_home_not_here(capsys):
-    from elasticd.chaos.__main__ import default_out, parser
+    from elasticd.lab.chaos.__main__ import default_out, parser
 
     with pytest.raises(SystemExit):
         parser("elasticd chaos").parse_args(["--help"])

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from elasticd.chaos.faults import INJECTORS, default_kinds
-from elasticd.chaos.scenario import (
+from elasticd.lab.chaos.faults import INJECTORS, default_kinds
+from elasticd.lab.chaos.scenario import (
     FAULT_STEPS,
     PHASES,
     FaultSpec,

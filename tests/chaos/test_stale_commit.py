@@ -6,9 +6,9 @@ cut from).
 
 from __future__ import annotations
 
-from elasticd.chaos import invariants as inv
-from elasticd.chaos.run import RUN, FaultRecord, RunResult
-from elasticd.chaos.scenario import FaultSpec, Scenario
+from elasticd.lab.chaos import invariants as inv
+from elasticd.lab.chaos.run import RUN, FaultRecord, RunResult
+from elasticd.lab.chaos.scenario import FaultSpec, Scenario
 
 T0 = 1_000_000.0
 EPOCH = "e1"

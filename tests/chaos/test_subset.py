@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticd.chaos.scenario import FaultSpec, Scenario
+from elasticd.lab.chaos.scenario import FaultSpec, Scenario
 from tests.chaos.common import run_checked
 
 # Several real components and real waits (seconds each): in make test, not make check.

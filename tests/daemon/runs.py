@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from checkpointing import CheckpointManager
-from elasticd.local_cluster import record_time
+from elasticd.lab.local_cluster import record_time
 from tests.daemon_nodes import DaemonNode, log_lines, stepping_at, wait_for
 from tests.oracle import Run, max_rel_diff, norm_rel_diff, replay, step_history
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from elasticd.fake_metadata import FakeMetadata
+from elasticd.lab.fake_metadata import FakeMetadata
 from tests.daemon_nodes import (
     DaemonNode,
     agent_events,
@@ -162,7 +162,7 @@ def test_systemd_notify_ready_status_watchdog_stopping(etcd_server, cluster, tmp
 def test_prometheus_metrics(etcd_server, cluster):
     import urllib.request
 
-    from elasticd.embedded_etcd import free_port
+    from elasticd.lab.embedded_etcd import free_port
     add, nodes = cluster
     port = free_port()
     a = add("a", etcd_server.endpoint, sections=f"[metrics]\nport = {port}\n")

@@ -1,7 +1,7 @@
 """A cloud preemption notice cuts the drain to its deadline, and the shutdown's SIGTERM
 that follows it (GCE and Azure send both at once) keeps the drain graceful.
 
-Real daemon, real torchrun and trainer, a fake metadata service (elasticd/fake_metadata.py):
+Real daemon, real torchrun and trainer, a fake metadata service (elasticd/lab/fake_metadata.py):
 
 * each provider announces a preemption 30 s away (GCE: its fixed 30 s window; AWS:
   ``instance-action`` ``time``; Azure: ``NotBefore``), ``drain_grace_s = 60``: the drain's
@@ -22,8 +22,8 @@ import pytest
 
 from elasticd import proctree
 from elasticd.etcd_client import EtcdClient, EtcdSettings
-from elasticd.fake_metadata import FakeMetadata
 from elasticd.journal import recent_events
+from elasticd.lab.fake_metadata import FakeMetadata
 from elasticd.observer import newest_committed_step
 from elasticd.rendezvous.keys import JobKeys
 from tests.daemon_nodes import DaemonNode, agent_events, log_lines, stepping_at, stop_nodes, wait_for

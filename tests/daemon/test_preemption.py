@@ -1,4 +1,4 @@
-"""Preemption watchers against a fake metadata service on 127.0.0.1 (elasticd/fake_metadata.py).
+"""Preemption watchers against a fake metadata service on 127.0.0.1 (elasticd/lab/fake_metadata.py).
 
 The fake rejects requests the real services would reject (missing headers, no
 or stale AWS token), so "no rejections" below proves the client's protocol.
@@ -15,7 +15,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from elasticd.errors import ConfigError, ElasticdError
-from elasticd.fake_metadata import FakeMetadata
+from elasticd.lab.fake_metadata import FakeMetadata
 from elasticd.preemption import (
     AwsProvider,
     AzureProvider,

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from elasticd.chaos import liveness
+from elasticd.lab.chaos import liveness
 from elasticd.rendezvous.keys import JobKeys
 from elasticd.rendezvous.rounds import decode_pointer
 from tests.conftest import connect
@@ -183,7 +183,7 @@ def test_the_liveness_invariant_bites_when_the_release_is_weakened_away(
         nodes, etcd_server, tmp_path, job_id):
     """The same freeze with the daemons' release from a broken round switched off
     ([supervisor] release_broken_rounds = false): the survivors' agents wait on the frozen member's
-    rank-assignment keys, nobody steps, and the invariant (elasticd.chaos.liveness, the one
+    rank-assignment keys, nobody steps, and the invariant (elasticd.lab.chaos.liveness, the one
     the chaos harness and the goodput benchmark check) reports the stall it owes."""
     leaver, frozen, survivors, froze_at, steady = _drain_then_freeze_a_member_of_its_round(
         nodes, etcd_server, tmp_path, job_id, 900, extra="release_broken_rounds = false")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.embedded_etcd import read_env_file  # noqa: F401 - the deploy tests' import
+from elasticd.lab.embedded_etcd import read_env_file  # noqa: F401 - the deploy tests' import
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

@@ -25,10 +25,10 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 
 from elasticd import proctree
-from elasticd.embedded_etcd import EmbeddedEtcdCluster, find_etcd_binary, free_port
 from elasticd.errors import EtcdAuthError
 from elasticd.etcd_client import EtcdClient, EtcdSettings
 from elasticd.journal import Journal
+from elasticd.lab.embedded_etcd import EmbeddedEtcdCluster, find_etcd_binary, free_port
 from elasticd.lease import LeaseKeeper
 from elasticd.membership import Membership
 from elasticd.rendezvous.backend import EtcdV3RendezvousBackend

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elasticd.embedded_etcd import EmbeddedEtcd, free_port
 from elasticd.errors import ConfigError, EtcdAuthError, EtcdUnavailable
 from elasticd.etcd_client import EtcdClient, EtcdSettings
+from elasticd.lab.embedded_etcd import EmbeddedEtcd, free_port
 from elasticd.rendezvous.closed import DAEMON_PID_ENV, closed_message
 from elasticd.rendezvous.handler import create_handler, parse_params
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from checkpointing import CheckpointManager
-from elasticd.embedded_etcd import free_port
+from elasticd.lab.embedded_etcd import free_port
 from tests.oracle import Run, max_rel_diff, replay, step_history
 from tests.trainer.launch import Launch
 from trainer.examples import mlp

@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from elasticd.chaos.faults import committed
-from elasticd.embedded_etcd import free_port
+from elasticd.lab.chaos.faults import committed
+from elasticd.lab.embedded_etcd import free_port
 from tests.checkpointing.helpers import FaultyStorage
 from tests.trainer.launch import EXAMPLES
 from trainer import dist as tdist

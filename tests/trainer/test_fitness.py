@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from checkpointing import CheckpointManager
-from elasticd.embedded_etcd import free_port
+from elasticd.lab.embedded_etcd import free_port
 from tests.trainer.launch import run_members
 from trainer import fitness
 

@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 from checkpointing import CheckpointManager
 from elasticd import proctree
-from elasticd.embedded_etcd import free_port
 from elasticd.generation import (
     GenerationId,
     GenerationRecord,
@@ -37,6 +36,7 @@ from elasticd.generation import (
     shrink,
 )
 from elasticd.inplace.handover import hand_over
+from elasticd.lab.embedded_etcd import free_port
 from tests.oracle import (
     Run,
     consumed_exactly_once,

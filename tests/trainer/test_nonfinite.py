@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elasticd.embedded_etcd import free_port
+from elasticd.lab.embedded_etcd import free_port
 from tests.trainer.launch import run_members
 from trainer.fitness import Report
 from trainer.nonfinite import (

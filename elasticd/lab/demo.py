@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from elasticd import proctree
-from elasticd.local_cluster import MLP, Node, local_cluster
+from elasticd.lab.local_cluster import MLP, Node, local_cluster
 
 POLL_S = 0.1                 # progress files and the checkpoint dir are read this often
 GAP_S = 1.5                  # step records further apart than this: two training stretches
@@ -302,7 +302,7 @@ class Demo:
     # -- part 2: plain torchrun, c10d, tuned -----------------------------------------------
 
     def _torchrun(self, root: Path) -> SystemRun:
-        from elasticd.embedded_etcd import free_port
+        from elasticd.lab.embedded_etcd import free_port
 
         with local_cluster(root, etcd=False) as cluster:
             self.say("starting plain torchrun beside it: 3 agents, c10d store hosted by node-a, "

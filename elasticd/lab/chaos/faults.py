@@ -36,9 +36,9 @@ from checkpointing import layout
 from checkpointing.errors import CorruptCheckpointError
 from checkpointing.manifest import Manifest
 from elasticd import proctree
-from elasticd.embedded_etcd import EmbeddedEtcd, EmbeddedEtcdCluster
-from elasticd.fake_metadata import FakeMetadata
-from elasticd.local_cluster import DaemonNode
+from elasticd.lab.embedded_etcd import EmbeddedEtcd, EmbeddedEtcdCluster
+from elasticd.lab.fake_metadata import FakeMetadata
+from elasticd.lab.local_cluster import DaemonNode
 
 Detail = dict[str, Any]
 
@@ -170,7 +170,7 @@ class Injector:
     # False: the fault needs a setup the runner cannot make (a small mounted filesystem),
     # so it is left out of the command line's default draw and of the random sequence.
     drawn_by_default: ClassVar[bool] = True
-    # The phases of its recovery (elasticd.chaos.scenario.PHASES) an overlapping draw may
+    # The phases of its recovery (elasticd.lab.chaos.scenario.PHASES) an overlapping draw may
     # fire the next fault in: the ones the system goes through after this fault.
     phases: ClassVar[tuple[str, ...]] = ("inject",)
     # True: the fault lasts (a freeze, a cut) and a scenario may set how long (``for_s``).
@@ -452,8 +452,8 @@ class CheckpointWriteKill(Injector):
 
 
 # The faults of the etcd cluster and the cloud live in their own module, which subclasses
-# Injector above (elasticd/chaos/__init__.py imports this module first, so either order works).
-from elasticd.chaos.cluster_faults import (  # noqa: E402
+# Injector above (elasticd/lab/chaos/__init__.py imports this module first, so either order works).
+from elasticd.lab.chaos.cluster_faults import (  # noqa: E402
     CheckpointDirFull,
     EtcdLeaderKill,
     EtcdQuorumLoss,
@@ -469,7 +469,7 @@ INJECTORS: dict[str, type[Injector]] = {cls.name: cls for cls in (
 # The network faults (net_faults.py: partitions, delay and loss) add their names to the
 # registry when that module is imported; importing it here makes every user of the
 # registry see them.
-import elasticd.chaos.net_faults  # noqa: E402,F401
+import elasticd.lab.chaos.net_faults  # noqa: E402,F401
 
 
 def default_kinds() -> list[str]:

@@ -2,14 +2,14 @@
 
 One run, in states::
 
-    forming    N daemons started (elasticd.local_cluster), waiting for a world of N
+    forming    N daemons started (elasticd.lab.local_cluster), waiting for a world of N
     faulting   per fault: wait for its step/time -> inject -> hold -> heal -> recovered
                (every node stepping in a world of N, without a pause, for SETTLE_S) or
                not (the run goes on to the end without the remaining faults: they are
                reported as not fired)
     finishing  every daemon exits by itself once the job reaches its final step
     stopped    the cluster is killed whole (local_cluster's exit); leftovers are counted
-    checked    the invariants (elasticd.chaos.invariants) read the logs and checkpoints
+    checked    the invariants (elasticd.lab.chaos.invariants) read the logs and checkpoints
 
 The job is ``trainer/examples/mlp.py`` in float64 with every step logged, so that the
 replay oracle can recompute it.
@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from elasticd import proctree
-from elasticd.chaos.faults import INJECTORS, Detail, InjectionError, Injector, Target, workers_of
-from elasticd.chaos.oracle import Run
-from elasticd.chaos.scenario import PHASES, FaultSpec, Scenario
-from elasticd.embedded_etcd import etcd_version
-from elasticd.fake_metadata import FakeMetadata
-from elasticd.local_cluster import (
+from elasticd.lab.chaos.faults import INJECTORS, Detail, InjectionError, Injector, Target, workers_of
+from elasticd.lab.chaos.oracle import Run
+from elasticd.lab.chaos.scenario import PHASES, FaultSpec, Scenario
+from elasticd.lab.embedded_etcd import etcd_version
+from elasticd.lab.fake_metadata import FakeMetadata
+from elasticd.lab.local_cluster import (
     MLP,
     Cluster,
     DaemonNode,
@@ -421,7 +421,7 @@ def run_scenario(sc: Scenario, root: Path, *, job: str = "chaos", run: Run = RUN
 
 def needs_network(sc: Scenario) -> bool:
     """Whether a fault of ``sc`` acts on links: the cluster then runs on its own network
-    (every node and the etcd in a namespace, elasticd.netlab) instead of loopback."""
+    (every node and the etcd in a namespace, elasticd.lab.netlab) instead of loopback."""
     return any(INJECTORS[f.kind].network for f in sc.faults)
 
 

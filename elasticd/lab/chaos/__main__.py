@@ -1,4 +1,4 @@
-"""``elasticd chaos`` (or ``python -m elasticd.chaos``): run one chaos scenario on this machine
+"""``elasticd chaos`` (or ``python -m elasticd.lab.chaos``): run one chaos scenario on this machine
 and write its report.
 
     elasticd chaos --seed 7 --faults node-kill,drain      # a short one: two faults, a few minutes
@@ -22,15 +22,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from elasticd.chaos.faults import INJECTORS, default_kinds
-from elasticd.chaos.invariants import check_all
-from elasticd.chaos.report import write
-from elasticd.chaos.run import run_scenario
-from elasticd.chaos.scenario import Scenario, ScenarioError, draw, load
+from elasticd.lab.chaos.faults import INJECTORS, default_kinds
+from elasticd.lab.chaos.invariants import check_all
+from elasticd.lab.chaos.report import write
+from elasticd.lab.chaos.run import run_scenario
+from elasticd.lab.chaos.scenario import Scenario, ScenarioError, draw, load
 from elasticd.rendezvous.keys import DEFAULT_ROUNDS, ROUNDS
 
 
-def parser(prog: str = "python -m elasticd.chaos") -> argparse.ArgumentParser:
+def parser(prog: str = "python -m elasticd.lab.chaos") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
                                 epilog=f"a short run: {prog} --seed 7 --faults node-kill,drain "
                                 "(a few minutes); --seed alone draws every default fault kind "
@@ -84,7 +84,7 @@ def default_out(args: argparse.Namespace) -> Path:
     return Path.home() / "elasticd-chaos" / name
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m elasticd.chaos") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m elasticd.lab.chaos") -> int:
     args = parser(prog).parse_args(argv)
     if args.list:
         for name, cls in INJECTORS.items():

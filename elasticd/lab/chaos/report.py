@@ -8,17 +8,17 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from elasticd.chaos.invariants import STALL_S, Check, FaultMetrics, rank0_records
+from elasticd.lab.chaos.invariants import STALL_S, Check, FaultMetrics, rank0_records
 
 if TYPE_CHECKING:
-    from elasticd.chaos.run import RunResult
+    from elasticd.lab.chaos.run import RunResult
 
 WORLD_COLOURS = {1: "#9467bd", 2: "#ff7f0e", 3: "#1f77b4", 4: "#2ca02c", 5: "#8c564b"}
 
 
 def replay_command(scenario_file: Path) -> str:
     """The command line that runs the same scenario again (the report writes its file)."""
-    return f"python -m elasticd.chaos --scenario {scenario_file}"
+    return f"python -m elasticd.lab.chaos --scenario {scenario_file}"
 
 
 def to_json(result: RunResult, checks: list[Check], metrics: list[FaultMetrics],

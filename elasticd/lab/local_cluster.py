@@ -15,9 +15,9 @@ optionally an etcd, and every process started while it is open: on exit, normal 
 it kills them all (SIGCONT first, so a SIGSTOPped node dies too).
 
 ``local_cluster(network=True)`` puts every daemon node and the etcd in a network
-namespace of its own (``elasticd.netlab``: veth pairs to a bridge in another namespace,
+namespace of its own (``elasticd.lab.netlab``: veth pairs to a bridge in another namespace,
 addresses in 10.77.0.0/24; a node advertises its own as ``node.addr``), so that the
-chaos harness can cut and slow one node's links (``elasticd.chaos.net_faults``) without
+chaos harness can cut and slow one node's links (``elasticd.lab.chaos.net_faults``) without
 touching the machine's loopback; the namespaces go with the cluster.
 """
 
@@ -40,10 +40,11 @@ from typing import Any, Self, TypeVar
 
 import psutil
 
-from elasticd import netlab, proctree
-from elasticd.embedded_etcd import EmbeddedEtcd, EmbeddedEtcdCluster
+from elasticd import proctree
+from elasticd.lab import netlab
+from elasticd.lab.embedded_etcd import EmbeddedEtcd, EmbeddedEtcdCluster
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MLP = str(REPO / "trainer" / "examples" / "mlp.py")
 CHARLM = str(REPO / "trainer" / "examples" / "charlm.py")
 # The rendezvous tests' worker: one all-reduce per step, one JSON report line per step.
@@ -588,7 +589,7 @@ def local_cluster(root: Path | None = None, *, etcd: bool = True, keep: bool = F
     removed at the end unless ``keep``). ``etcd``: start a throw-away etcd in it, one
     member (``EmbeddedEtcd``) or, with ``etcd_members=3``, an ``EmbeddedEtcdCluster``
     whose every endpoint the daemons get. ``network``: every daemon node and the etcd in
-    a network namespace of its own (``elasticd.netlab``; needs root; one etcd member).
+    a network namespace of its own (``elasticd.lab.netlab``; needs root; one etcd member).
     """
     if etcd_members not in (1, 3):
         raise ValueError(f"etcd_members={etcd_members}: 1 or 3")

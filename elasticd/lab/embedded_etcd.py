@@ -84,7 +84,7 @@ def _etcd_env() -> dict[str, str]:
 
 class EmbeddedEtcd:
     """One etcd member on 127.0.0.1 (or ``host`` inside a network namespace of
-    ``elasticd.netlab``) with a private data dir.
+    ``elasticd.lab.netlab``) with a private data dir.
 
     ``start()`` blocks until ``/health`` answers; ``stop()`` kills it and always
     leaves no process behind; ``restart()`` keeps the data dir and the ports, the
@@ -159,7 +159,7 @@ class EmbeddedEtcd:
         if self.proc is None or self.proc.poll() is not None:
             return False
         if self.netns:
-            from elasticd.netlab import call_in
+            from elasticd.lab.netlab import call_in
 
             return call_in(self.netns, self._answers)
         return self._answers()

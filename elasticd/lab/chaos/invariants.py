@@ -32,7 +32,7 @@ so each can also be fed a tampered history to show it fails (tests/chaos/test_bi
                         commits and the daemon kills those workers;
 * ``liveness-bounded``  whenever at least N-1 nodes (the harness' ``min_nodes``) had been
                         in the job, not hit by a fault, for longer than the lease TTL plus
-                        the restart bound, the job stepped (``elasticd.chaos.liveness``);
+                        the restart bound, the job stepped (``elasticd.lab.chaos.liveness``);
                         the longest pause is reported with the faults before it;
 * ``no-process-left``   nothing the run started, process or network namespace, is alive
                         once its cluster stopped.
@@ -51,14 +51,14 @@ from checkpointing import CheckpointManager, layout
 from checkpointing.errors import CorruptCheckpointError
 from checkpointing.reader import load_verified
 from checkpointing.storage import LocalStorage
-from elasticd.chaos import liveness
-from elasticd.chaos.faults import committed
-from elasticd.chaos.oracle import lineage, max_rel_diff, norm_rel_diff, replay_run
-from elasticd.chaos.run import LEASE_TTL_S
-from elasticd.local_cluster import record_time
+from elasticd.lab.chaos import liveness
+from elasticd.lab.chaos.faults import committed
+from elasticd.lab.chaos.oracle import lineage, max_rel_diff, norm_rel_diff, replay_run
+from elasticd.lab.chaos.run import LEASE_TTL_S
+from elasticd.lab.local_cluster import record_time
 
 if TYPE_CHECKING:
-    from elasticd.chaos.run import FaultRecord, RunResult
+    from elasticd.lab.chaos.run import FaultRecord, RunResult
 
 TOLERANCE = 1e-9
 # The logged loss is the step's global mean (an all-reduce of per-rank sums): its rounding

@@ -3,7 +3,7 @@
 
 They need the cluster on its own network (``local_cluster(network=True)``, chosen by the
 runner when a scenario has a fault whose class says ``network = True``): every node and
-the etcd in a namespace of ``elasticd.netlab``. A cut is a chain of iptables rules
+the etcd in a namespace of ``elasticd.lab.netlab``. A cut is a chain of iptables rules
 (``ELDNET``) inside the victim's namespace only, hooked into its INPUT and OUTPUT; the
 heal unhooks, flushes and deletes the chain, and checks that the namespace holds no rule
 any more. Nothing outside the cluster's namespaces is touched, and deleting the
@@ -30,9 +30,9 @@ import threading
 import time
 from typing import ClassVar
 
-from elasticd import netlab
-from elasticd.chaos.faults import INJECTORS, Detail, InjectionError, Injector, Target
-from elasticd.local_cluster import DaemonNode
+from elasticd.lab import netlab
+from elasticd.lab.chaos.faults import INJECTORS, Detail, InjectionError, Injector, Target
+from elasticd.lab.local_cluster import DaemonNode
 
 CHAIN = "ELDNET"
 

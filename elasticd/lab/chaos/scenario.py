@@ -7,7 +7,7 @@ Written as a small TOML or JSON file::
     etcd_members = 3         # 1 or 3; default 3 if a fault needs it (etcd-leader-kill ...)
     final_step = 1500        # the job's --max-steps
     [[fault]]
-    kind = "node-kill"       # a name of elasticd.chaos.faults.INJECTORS
+    kind = "node-kill"       # a name of elasticd.lab.chaos.faults.INJECTORS
     at_step = 100            # or at_s = 20.0: seconds after the first world of `nodes`
     target = "rank0"         # "rank0" | "other" | "any" | a node name ("a", "b", ...)
 
@@ -50,7 +50,7 @@ from elasticd.rendezvous.keys import DEFAULT_ROUNDS, ROUNDS
 TARGETS = ("rank0", "other", "any")
 MAX_NODES = 8
 MAX_GAP_S = 30.0
-# The [supervisor] keys the harness writes itself (elasticd.local_cluster.write_config).
+# The [supervisor] keys the harness writes itself (elasticd.lab.local_cluster.write_config).
 HARNESS_SUPERVISOR = frozenset({"backoff_initial_s", "drain_grace_s"})
 
 # The phases of a recovery an overlapping fault can fire in: name -> the daemon log line
@@ -115,21 +115,21 @@ class Scenario:
 
 
 def _members_needed(kind: str) -> int:
-    from elasticd.chaos.faults import INJECTORS
+    from elasticd.lab.chaos.faults import INJECTORS
 
     cls = INJECTORS.get(kind)
     return cls.etcd_members if cls is not None else 1
 
 
 def _needs(kind: str, what: str) -> bool:
-    from elasticd.chaos.faults import INJECTORS
+    from elasticd.lab.chaos.faults import INJECTORS
 
     cls = INJECTORS.get(kind)
     return bool(cls is not None and getattr(cls, what))
 
 
 def _kinds() -> Sequence[str]:
-    from elasticd.chaos.faults import INJECTORS  # late: faults imports the runner's types
+    from elasticd.lab.chaos.faults import INJECTORS  # late: faults imports the runner's types
 
     return tuple(INJECTORS)
 
@@ -190,7 +190,7 @@ def _duration(raw: dict[str, Any], where: str, kind: str) -> float | None:
 
 
 def _lasts(kind: str) -> bool:
-    from elasticd.chaos.faults import INJECTORS
+    from elasticd.lab.chaos.faults import INJECTORS
 
     return bool(INJECTORS[kind].lasts)
 
@@ -339,6 +339,6 @@ def draw(seed: int, kinds: Iterable[str], nodes: int = 3, first_step: int = 60,
 
 
 def _phases_of(kind: str) -> tuple[str, ...]:
-    from elasticd.chaos.faults import INJECTORS
+    from elasticd.lab.chaos.faults import INJECTORS
 
     return INJECTORS[kind].phases

@@ -1,5 +1,5 @@
 """Faults of the etcd cluster, of the cloud and of the machines around the nodes
-(registered in ``elasticd.chaos.faults.INJECTORS`` with the others):
+(registered in ``elasticd.lab.chaos.faults.INJECTORS`` with the others):
 
 * ``etcd-leader-kill``: SIGKILL the member that leads a 3-member cluster; the other two
   elect a new leader and the daemons, which hold every endpoint, go on through them; the
@@ -11,9 +11,9 @@
 Both need ``etcd_members = 3`` (the scenario sets it when one of them is planned). What
 the job must do: train on (workers never wait on etcd) and lose no step; the daemons'
 etcd outage (membership frozen) ends soon after a leader exists again. The invariant
-``etcd-outage-bounded`` (elasticd.chaos.invariants) checks it from the daemons' logs.
+``etcd-outage-bounded`` (elasticd.lab.chaos.invariants) checks it from the daemons' logs.
 
-* ``preemption-notice``: the node's fake metadata server (elasticd.fake_metadata, on
+* ``preemption-notice``: the node's fake metadata server (elasticd.lab.fake_metadata, on
   127.0.0.1; the runner starts one per node) announces a GCE preemption, 30 s ahead;
 * ``flapping-node``: the node's whole tree SIGKILLed and restarted, several times;
 * ``checkpoint-dir-full``: the checkpoint directory's filesystem (a small tmpfs: the
@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import ClassVar
 
 from elasticd import proctree
-from elasticd.chaos.faults import Detail, InjectionError, Injector, Target
-from elasticd.embedded_etcd import EmbeddedEtcdCluster, EtcdMember
-from elasticd.local_cluster import DaemonNode
+from elasticd.lab.chaos.faults import Detail, InjectionError, Injector, Target
+from elasticd.lab.embedded_etcd import EmbeddedEtcdCluster, EtcdMember
+from elasticd.lab.local_cluster import DaemonNode
 from elasticd.preemption import GCE_NOTICE_WINDOW_S
 
 ELECTION_TIMEOUT_S = 30.0   # a loaded 2-core machine can take seconds to elect

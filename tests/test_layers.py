@@ -1,0 +1,82 @@
+"""The layers: the runtime (the daemon, the plugin, the in-place protocol, the workers'
+library, checkpointing) imports and runs without the lab tooling (``elasticd.lab``),
+which only the ``elasticd demo`` and ``elasticd chaos`` commands load, when they run."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RUNTIME = ("elasticd", "trainer", "checkpointing")
+LAB = "elasticd.lab"
+# The commands that run lab tooling import it inside their own function.
+LAB_COMMANDS = {("elasticd/cli.py", "demo"), ("elasticd/cli.py", "chaos")}
+
+
+def runtime_modules() -> list[Path]:
+    files = [p for top in RUNTIME for p in (REPO / top).rglob("*.py")]
+    return sorted(p for p in files if not p.relative_to(REPO).as_posix().startswith(
+        ("elasticd/lab/", "trainer/examples/")))
+
+
+def lab_imports(path: Path) -> list[tuple[str, int, str]]:
+    """(function or "<module>", line, module) of each import of the lab in ``path``."""
+    found: list[tuple[str, int, str]] = []
+
+    def visit(node: ast.AST, where: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) else where
+            targets: list[str] = []
+            if isinstance(child, ast.Import):
+                targets = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom) and child.module:
+                targets = [child.module] + [f"{child.module}.{a.name}" for a in child.names]
+            for target in targets:
+                if target == LAB or target.startswith(LAB + "."):
+                    found.append((where, child.lineno, target))
+                    break
+            visit(child, name)
+
+    visit(ast.parse(path.read_text()), "<module>")
+    return found
+
+
+def test_no_runtime_module_imports_the_lab_but_its_commands():
+    stray = [(p.relative_to(REPO).as_posix(), where, line, target)
+             for p in runtime_modules() for where, line, target in lab_imports(p)
+             if (p.relative_to(REPO).as_posix(), where) not in LAB_COMMANDS]
+    assert stray == [], f"runtime modules import {LAB}: {stray}"
+
+
+def test_the_scan_sees_a_lab_import(tmp_path):
+    # The check above is only as good as its parser: a module-level and a nested import
+    # of the lab are both found.
+    sample = tmp_path / "sample.py"
+    sample.write_text("from elasticd.lab import netlab\n"
+                      "def f():\n    import elasticd.lab.chaos.run\n"
+                      "from elasticd import lab\n")
+    assert [(w, t) for w, _, t in lab_imports(sample)] == [
+        ("<module>", "elasticd.lab"), ("f", "elasticd.lab.chaos.run"), ("<module>", "elasticd.lab")]
+
+
+def test_the_runtime_imports_with_the_lab_absent():
+    modules = [".".join(p.relative_to(REPO).with_suffix("").parts) for p in runtime_modules()]
+    modules = [m.removesuffix(".__init__") for m in modules if not m.endswith("__main__")]
+    # A finder first on sys.meta_path makes the lab unimportable, as in an install without it.
+    code = (
+        "import importlib, importlib.abc, sys\n"
+        "class NoLab(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name == {LAB!r} or name.startswith({LAB + '.'!r}):\n"
+        "            raise ModuleNotFoundError(f'no module named {name!r} (lab absent)')\n"
+        "sys.meta_path.insert(0, NoLab())\n"
+        f"for m in {modules!r}:\n"
+        "    importlib.import_module(m)\n"
+        f"print(len({modules!r}), [m for m in sys.modules if m.startswith({LAB!r})])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split(" ", 1) == [str(len(modules)), "[]\n"], done.stdout
