@@ -260,7 +260,7 @@ def node_config(spec: dict[str, Any], node: dict[str, str]) -> Any:
 def start_daemon(spec: dict[str, Any], node: dict[str, str]) -> Any:
     """A real ``Daemon`` for one simulated node, its loop running in a thread."""
     from elasticd import daemon as daemon_module
-    from elasticd.supervisor import Kind
+    from elasticd.actions import Kind
 
     class SimDaemon(daemon_module.Daemon):
         """The daemon with the executors that signal processes pointed at the stand-in

@@ -25,12 +25,13 @@ from elasticd.preemption import PreemptionConfig
 from elasticd.rendezvous.keys import DEFAULT_ROUNDS, ROUNDS, check_job_id
 from elasticd.worker_contract import (
     DEFAULT_LR_RULE,
+    DEFAULT_RECOVERY,
     DEFAULT_RECOVERY_BOUND_S,
-    IN_PLACE,
     KEEP_LAST_RULE,
     LR_RULES,
     RECOVERY_MODES,
     REFORM_MECHANISMS,
+    RecoveryMode,
     is_valid_keep_last,
 )
 
@@ -261,7 +262,7 @@ class RecoveryConfig:
     daemons' agreed generation; ``restart``: they are killed and torchrun starts new ones.
     """
 
-    mode: str = IN_PLACE   # the daemon agrees generations: in place by default
+    mode: str = DEFAULT_RECOVERY   # a RecoveryMode once validated (TOML gives its text)
     bound_s: float = DEFAULT_RECOVERY_BOUND_S   # longest a re-form may take (worker side)
     store_port: int = 0                         # the daemon's TCP store; 0 = ephemeral
     reform: str = "auto"    # torch's reconfigure where it can (trainer/reform.py), or destroy-init
@@ -269,6 +270,7 @@ class RecoveryConfig:
     def __post_init__(self) -> None:
         _require(self.mode in RECOVERY_MODES, "recovery.mode", self.mode,
                  f"use one of {', '.join(repr(m) for m in RECOVERY_MODES)}")
+        object.__setattr__(self, "mode", RecoveryMode(self.mode))
         _require(self.reform in REFORM_MECHANISMS, "recovery.reform", self.reform,
                  f"use one of {', '.join(repr(m) for m in REFORM_MECHANISMS)}")
         _require(0 < self.bound_s <= 600, "recovery.bound_s", self.bound_s,

@@ -43,6 +43,7 @@ import psutil
 import structlog
 
 from elasticd import __version__, generation, proctree
+from elasticd.actions import Action, Kind
 from elasticd.agent import (
     AgentProcess,
     RunFiles,
@@ -70,10 +71,8 @@ from elasticd.rendezvous.keys import JobKeys
 from elasticd.rendezvous.torch_compat import check_torch_apis
 from elasticd.sdnotify import SystemdNotifier, WatchdogGate
 from elasticd.supervisor import (
-    Action,
     Decision,
     Eviction,
-    Kind,
     Memory,
     Phase,
     Policy,

@@ -50,11 +50,12 @@ from types import MappingProxyType
 from typing import Any
 
 from elasticd import quorum
+from elasticd.actions import Action, Kind, act
 from elasticd.generation import GenerationId, GenerationRecord, WorldView
 from elasticd.inplace import loss
 from elasticd.inplace.agreement import ShrinkOutcome
 from elasticd.inplace.reform import Reform
-from elasticd.worker_contract import IN_PLACE, RESTART
+from elasticd.worker_contract import DEFAULT_RECOVERY, IN_PLACE, RecoveryMode
 
 
 class Phase(enum.Enum):
@@ -87,44 +88,6 @@ class IllegalPhaseChange(RuntimeError):
     """A rule tried a phase change that ``PHASE_EDGES`` does not allow."""
 
 
-class Kind(enum.Enum):
-    """Every action the daemon can take; ``daemon.ACTIONS`` maps each to its executor."""
-
-    START_AGENT = "start_agent"
-    TERMINATE_AGENT = "terminate_agent"        # SIGTERM the agent's tree (drain)
-    KILL_AGENT = "kill_agent"                  # SIGKILL the agent's tree
-    KILL_WORKERS = "kill_workers"              # data: pids
-    CONFIRM_PEER = "confirm_peer"              # probe a vanished peer once, off the loop; data: peer
-    EVICT = "evict"                            # remove dead peers' agents from the rendezvous; data: peers
-    LEAVE_RENDEZVOUS = "leave_rendezvous"      # remove our own agent
-    REOPEN_RENDEZVOUS = "reopen_rendezvous"    # a closed rendezvous of an unfinished job
-    PUBLISH = "publish"                        # fields of this node's record; data: fields
-    JOURNAL = "journal"                        # data: event, fields
-    COUNT = "count"                            # a metric; data: metric, label
-    OBSERVE = "observe"                        # a histogram sample; data: metric, label, value
-    MARK_COMPLETED = "mark_completed"          # the job's /state = completed
-    PUBLISH_CHECKPOINT = "publish_checkpoint"  # data: step
-    TOUCH_STOP_FILE = "touch_stop_file"        # the workers' coordinated-stop flag
-    DELETE_DRAIN_KEY = "delete_drain_key"
-    NOTIFY = "notify"                          # systemd; data: what (ready | stopping)
-    SHRINK = "shrink"                          # agree the next generation without lost nodes;
-    #                                            data: lost, cause, peers, generation
-    WRITE_GENERATION = "write_generation"      # hand an agreed record to our workers; data: record
-
-
-@dataclass(frozen=True)
-class Action:
-    kind: Kind
-    data: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
-
-    def __getitem__(self, key: str) -> Any:
-        return self.data[key]
-
-
-def act(kind: Kind, **data: Any) -> Action:
-    return Action(kind, MappingProxyType(data))
-
-
 @dataclass(frozen=True)
 class Policy:
     """Every tunable of the decisions (from ``[supervisor]``; see config.py)."""
@@ -154,10 +117,9 @@ class Policy:
     start_timeout_s: float = 600.0
     # The rank-0 node journals a progress point this often (timelines of real jobs).
     progress_every_s: float = 30.0
-    # [recovery]: "in-place" re-forms the survivors' group after a lost peer; "restart"
-    # kills them for torchrun. The decisions' own default is restart (the tests of the
-    # restart path); the config's default is in-place.
-    recovery_mode: str = RESTART
+    # [recovery] mode: IN_PLACE re-forms the survivors' group after a lost peer; RESTART
+    # kills them for torchrun. The config's default (worker_contract.DEFAULT_RECOVERY).
+    recovery_mode: RecoveryMode = DEFAULT_RECOVERY
     # The workers' re-form bound; the daemon waits IN_PLACE_SLACK_S more, then kills them.
     recovery_bound_s: float = 5.0
     # A peer whose probes go unanswered this long is suspected (a refusal: at once); the

@@ -28,6 +28,7 @@ import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import IO, Any
 
 PREFIX = "ELASTICD_"
@@ -48,15 +49,28 @@ DEFAULT_KEEP_LAST = 3
 KEEP_LAST_WHY = "so a crash during a save always leaves a valid older checkpoint"
 KEEP_LAST_RULE = f"keep at least {MIN_KEEP_LAST} checkpoints, {KEEP_LAST_WHY}"
 
-# How workers recover from a lost peer. "in-place": survivors keep their processes and
-# re-form the group (needs a generation file: the daemon's, or the etcd3 plugin's recovery
-# companion's with --rdzv-conf recovery=in-place); "restart": they exit and torchrun starts
-# new ones. The worker default is "restart" because plain torchrun (c10d, or the etcd3
-# plugin without recovery=in-place) has nothing to agree on the next generation; the
-# daemon's default is in-place.
-# What the survivors of a lost peer do: re-form in place, or exit for a torchrun restart.
-IN_PLACE, RESTART = "in-place", "restart"
-RECOVERY_MODES = (IN_PLACE, RESTART)
+class RecoveryMode(StrEnum):
+    """What the survivors of a lost peer do.
+
+    ``IN_PLACE``: they keep their processes and re-form the group (needs a generation
+    file: the daemon's, or the etcd3 plugin's recovery companion's with ``--rdzv-conf
+    recovery=in-place``); ``RESTART``: they exit and torchrun starts new ones. A
+    ``StrEnum``: it is its string in TOML, ``--rdzv-conf`` and the environment.
+    """
+
+    IN_PLACE = "in-place"
+    RESTART = "restart"
+
+
+IN_PLACE, RESTART = RecoveryMode.IN_PLACE, RecoveryMode.RESTART
+RECOVERY_MODES = tuple(mode.value for mode in RecoveryMode)
+# The one default, wherever something agrees the next generation (the daemon's
+# ``[recovery] mode``, its policy): in place.
+DEFAULT_RECOVERY = RecoveryMode.IN_PLACE
+# Not a default but the only mode possible where nothing agrees generations: a worker
+# nobody told of a daemon or a companion, plain torchrun without ``recovery=in-place``
+# (the plugin's companion is opt-in: it runs inside torchrun's agent).
+UNAGREED_RECOVERY = RecoveryMode.RESTART
 DEFAULT_RECOVERY_BOUND_S = 5.0
 # How an in-place re-form rebuilds the group. "auto": torch's reconfigure API where the
 # installed torch and the backend have it (gloo on 2.14+, nccl2), chosen by capability at
@@ -150,8 +164,7 @@ class WorkerSettings:
         str, "id of the rendezvous state's lifetime the generation counts in (set by the plugin)")
     recovery_mode: str = setting(
         str, "after a lost peer: re-form the group in place, or exit for a torchrun restart",
-        # restart: a worker nobody told of a daemon (or a plugin) that agrees generations
-        default=RESTART, choices=RECOVERY_MODES)
+        default=UNAGREED_RECOVERY, choices=RECOVERY_MODES)
     recovery_bound_s: float = setting(
         float, "longest an in-place re-form may take before the worker exits (the restart path)",
         default=DEFAULT_RECOVERY_BOUND_S, check=_positive_finite, expected="a number > 0")

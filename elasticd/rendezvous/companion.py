@@ -75,7 +75,7 @@ from elasticd.observer import ProgressReader
 from elasticd.probe import Liveness, ProbeServer, probe, ring_successors
 from elasticd.rendezvous import admin
 from elasticd.rendezvous.keys import JobKeys
-from elasticd.worker_contract import IN_PLACE
+from elasticd.worker_contract import IN_PLACE, RESTART
 
 log = structlog.get_logger(__name__)
 
@@ -265,7 +265,7 @@ class RecoveryCompanion:
         in-place settings (torchrun copies ``os.environ`` when it starts them)."""
         self.leave_round()
         if not self.enabled or self._probe is None or self._lease is None:
-            os.environ["ELASTICD_RECOVERY_MODE"] = "restart"
+            os.environ["ELASTICD_RECOVERY_MODE"] = RESTART.value
             return
         with contextlib.suppress(FileNotFoundError):
             self.generation_file.unlink()
@@ -273,7 +273,7 @@ class RecoveryCompanion:
         if not progress:
             progress = str(self._dir / "progress.json")  # type: ignore[operator]
             os.environ["ELASTICD_PROGRESS_FILE"] = progress
-        os.environ.update({"ELASTICD_RECOVERY_MODE": IN_PLACE,
+        os.environ.update({"ELASTICD_RECOVERY_MODE": IN_PLACE.value,
                            "ELASTICD_GENERATION_FILE": str(self.generation_file),
                            "ELASTICD_NODE_ID": node_id})
         record = PeerRecord(node_id, self._probe.endpoint, self._store.endpoint)

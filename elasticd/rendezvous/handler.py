@@ -79,14 +79,11 @@ from elasticd.rendezvous.leaving import LeavesOnExit, warn_giving_up
 from elasticd.rendezvous.rounds import Rules
 from elasticd.rendezvous.store import EtcdV3Store
 from elasticd.rendezvous.torch_compat import check_torch_apis, supports_cas_backoff
-from elasticd.worker_contract import IN_PLACE, RECOVERY_MODES, RESTART
+from elasticd.worker_contract import IN_PLACE, RECOVERY_MODES, UNAGREED_RECOVERY, RecoveryMode
 
 if TYPE_CHECKING:
     from elasticd.rendezvous.companion import RecoveryCompanion
 
-# The plugin's --rdzv-conf recovery= values (the workers' modes) and its default: restart,
-# in place is opt-in there (it needs the companion's probes and records).
-DEFAULT_RECOVERY = RESTART
 
 log = structlog.get_logger(__name__)
 
@@ -118,7 +115,9 @@ class PluginConfig:
     keys: JobKeys
     ttl_s: int
     rounds: str = "torch"
-    recovery: str = DEFAULT_RECOVERY
+    # --rdzv-conf recovery= (the workers' modes). Without it nothing agrees generations (the
+    # companion that would is opt-in: its probes and records run in torchrun's agent).
+    recovery: RecoveryMode = UNAGREED_RECOVERY
 
 
 def parse_params(params: RendezvousParameters) -> PluginConfig:
@@ -150,12 +149,13 @@ def parse_params(params: RendezvousParameters) -> PluginConfig:
     if rounds not in ROUNDS:
         raise ConfigError(f"rdzv-conf rounds={rounds!r}: use keyed (per-agent keys, the "
                           "default) or torch (torch's one shared state)")
-    recovery = (params.get("recovery") or DEFAULT_RECOVERY).strip().lower()
+    recovery = (params.get("recovery") or UNAGREED_RECOVERY).strip().lower()
     if recovery not in RECOVERY_MODES:
         raise ConfigError(f"rdzv-conf recovery={recovery!r}: use restart (a lost peer restarts "
                           "the workers, the default) or in-place (the survivors re-form their "
                           "group without a restart; needs the trainer library)")
-    return PluginConfig(settings, keys, _positive_int(params, "ttl", 7200), rounds, recovery)
+    return PluginConfig(settings, keys, _positive_int(params, "ttl", 7200), rounds,
+                        RecoveryMode(recovery))
 
 
 def take_credentials() -> tuple[str | None, str | None]:

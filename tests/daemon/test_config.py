@@ -93,3 +93,16 @@ def test_bad_toml_and_missing_file(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "none.toml")
+
+
+def test_the_recovery_mode_is_one_enum_with_one_default():
+    from elasticd.daemon import policy_from
+    from elasticd.supervisor import Policy
+    from elasticd.worker_contract import DEFAULT_RECOVERY, RecoveryMode
+
+    c = config_from_dict(BASE)
+    assert c.recovery.mode is DEFAULT_RECOVERY is RecoveryMode.IN_PLACE
+    assert Policy().recovery_mode is DEFAULT_RECOVERY
+    restart = config_from_dict({**BASE, "recovery": {"mode": "restart"}})
+    assert restart.recovery.mode is RecoveryMode.RESTART   # the TOML text becomes the enum
+    assert policy_from(restart).recovery_mode is RecoveryMode.RESTART

@@ -29,6 +29,7 @@ from structlog.testing import capture_logs
 
 import elasticd.daemon as daemon_module
 from elasticd import generation, proctree
+from elasticd.actions import Kind, act
 from elasticd.agent import worker_env
 from elasticd.config import config_from_dict
 from elasticd.daemon import Daemon
@@ -39,7 +40,7 @@ from elasticd.membership import Membership, Peer
 from elasticd.observer import JobReader
 from elasticd.rendezvous.rounds import Agent, World, encode_pointer
 from elasticd.sdnotify import SystemdNotifier
-from elasticd.supervisor import Eviction, Kind, PeerView, act
+from elasticd.supervisor import Eviction, PeerView
 from elasticd.worker_contract import WorkerSettings
 from tests.daemon.test_sdnotify import FakeClock, FakeSystemd
 

@@ -36,11 +36,12 @@ from elasticd.supervisor import (
     records_recovery,
     restart_cause,
 )
+from elasticd.worker_contract import IN_PLACE, RESTART
 
 POLICY = Policy(backoff_initial_s=1.0, backoff_max_s=8.0, crash_loop_failures=3,
                 crash_loop_window_s=100.0, completion_grace_s=30.0, kill_grace_s=2.0,
                 confirm_timeout_s=1.5, drain_grace_s=60.0, notice_margin_s=5.0,
-                hang_floor_s=10.0, hang_factor=20.0)
+                hang_floor_s=10.0, hang_factor=20.0, recovery_mode=RESTART)
 T = 1000.0
 AGENT = 4242
 W = frozenset({11, 12})
@@ -653,7 +654,7 @@ def test_the_rank0_node_journals_progress_and_checkpoints():
 
 # -- in-place recovery ([recovery] mode = "in-place") ---------------------------------
 
-INPLACE = replace(POLICY, recovery_mode="in-place", recovery_bound_s=5.0)
+INPLACE = replace(POLICY, recovery_mode=IN_PLACE, recovery_bound_s=5.0)
 G = GenerationId(3, 0, "ep")
 G1 = G.next()
 REC = GenerationRecord(G1, renumber([("a", 2)]), "127.0.0.1:29600", ("b",), "peer-crashed")
