@@ -24,7 +24,10 @@ process, does the daemon's part of that contract for its own workers:
   members suspect it (its record is then deleted, so every survivor sees it at once),
   never by a companion cut off from the majority; a member whose record vanished is
   confirmed by a probe (refused: crashed; unanswered: silent; answered: it moved on to
-  another round, torchrun's restart). ``judge`` decides, purely;
+  another round, torchrun's restart). Each tick is the daemon's cycle in small: one
+  snapshot (``_observe``), a pure decision (``judge`` the verdicts, ``plan`` the actions
+  in the loops' vocabulary, ``elasticd.actions``: PUBLISH, EVICT, SHRINK,
+  WRITE_GENERATION), one table of executors (``_ACTIONS``);
 * a loss is agreed with ``inplace.agreement.shrink_world`` (one compare-and-set on the
   job's ``generation`` key, shared with the daemons' contract), handed to the workers
   (``inplace.handover``: they re-form), and the old round's exit barrier is released
@@ -47,15 +50,15 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import structlog
 
 from elasticd import quorum
+from elasticd.actions import Action, Kind, act
 from elasticd.errors import EtcdError
 from elasticd.etcd_client import EtcdClient, deadline, no_retry
 from elasticd.generation import (
@@ -192,6 +195,68 @@ def workers_generation(reported: GenerationId | None,
     if adopted is not None and (reported is None or adopted.id.newer_than(reported)):
         return adopted.id
     return reported
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One tick's snapshot (``_Round._observe``): what ``plan`` decides from."""
+
+    reported: GenerationId | None          # our workers' generation in this round
+    finished: bool                         # our workers left their group
+    completed: bool                        # ... by completing the job
+    world: WorldView | None                # the world they report
+    known: Mapping[str, PeerRecord]        # every member's last record seen this round
+    present: frozenset[str]                # those whose record exists now
+    answers: Mapping[str, Liveness]        # the last probe of each
+    agreed: GenerationRecord | None        # the job's generation record (when listed)
+    now: float
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one tick decided: the verdicts to remember, our record, the actions in order."""
+
+    judgement: Judgement
+    mine: PeerRecord
+    actions: tuple[Action, ...]
+
+
+def plan(me: str, seen: Seen, mine: PeerRecord, published: PeerRecord | None,
+         adopted: GenerationRecord | None, prior: Judgement,
+         silent_suspect_s: float) -> Step:
+    """One tick's decision, purely, in the loops' vocabulary (``elasticd.actions``):
+    WRITE_GENERATION a newer record of our round another survivor agreed (the backstop),
+    PUBLISH our record when it changed (our workers' world, their completion, our
+    suspicions), EVICT the members the majority condemned, SHRINK a loss."""
+    actions: list[Action] = []
+    new = mine
+    if seen.world is not None and seen.world != new.world:
+        new = replace(new, world=seen.world)
+    if seen.completed and not new.done:
+        new = replace(new, done=True)          # our departure soon is no loss
+    known, answers = dict(seen.known), dict(seen.answers)
+    world = None if adopted is None else adopted.nodes
+    base = workers_generation(new.world.generation if new.world is not None else None, adopted)
+    agreed = seen.agreed
+    if agreed is not None and base is not None and agreed.id.newer_than(base):
+        actions.append(act(Kind.WRITE_GENERATION, record=agreed))
+        world = agreed.nodes
+        for node in agreed.lost:               # settled: no longer ours to judge
+            known.pop(node, None)
+            answers.pop(node, None)
+    judgement = judge(me, known, seen.present, answers, world, seen.finished, prior, seen.now,
+                      silent_suspect_s)
+    suspects = frozenset(judgement.suspicions)
+    if suspects != new.suspects:
+        new = replace(new, suspects=suspects)
+    if new != published:
+        actions.append(act(Kind.PUBLISH, record=new))
+    condemned = sorted(judgement.condemned & seen.present)
+    if condemned:
+        actions.append(act(Kind.EVICT, peers=tuple(condemned)))
+    if judgement.loss is not None:
+        actions.append(act(Kind.SHRINK, loss=judgement.loss, reported=seen.reported))
+    return Step(judgement, new, tuple(actions))
 
 
 def remove_stale_dirs(root: Path) -> list[Path]:
@@ -355,7 +420,7 @@ class _Round:
         except EtcdError as exc:
             log.debug("could not update the recovery record", reason=str(exc))
 
-    # -- the loop
+    # -- the loop: observe, decide (``plan``, pure), act (``_ACTIONS``)
     def _run(self) -> None:
         next_list = 0.0
         while not self._stop.wait(PROBE_INTERVAL_S):
@@ -371,36 +436,36 @@ class _Round:
                 log.warning("recovery companion error; retried", error=repr(exc)[:300])
 
     def _tick(self, list_now: bool) -> None:
+        seen = self._observe(list_now)
+        was = self.judgement
+        step = plan(self.me, seen, self.mine, self.published, self.adopted, was,
+                    self.owner._ttl_s)
+        self.judgement, self.mine = step.judgement, step.mine
+        self._report(was, step.judgement)
+        for action in step.actions:
+            if action.kind is Kind.SHRINK and self._stop.is_set():
+                break   # the round ended while we decided: torchrun's business now
+            _ACTIONS[action.kind](self, action)
+
+    def _observe(self, list_now: bool) -> Seen:
+        """One snapshot: our workers' progress, the round's records (re-listed when due,
+        or while a suspicion's votes are in the others' fresh records), the job's
+        generation key, then a probe round."""
         progress = self.progress.read()
         reported = progress.generation
         if reported is not None and reported.round != self.round:
             reported = None        # the previous round's workers' last record
-        self.finished = reported is not None and progress.event in _FINISHED
-        world = progress.world(self.me) if reported is not None else None
-        if world is not None and world != self.mine.world:
-            self.mine = replace(self.mine, world=world)
-        if reported is not None and progress.event == "completed" and not self.mine.done:
-            self.mine = replace(self.mine, done=True)   # our departure soon is no loss
-        with no_retry(), deadline(ETCD_DEADLINE_S):
-            self.publish()
-            if list_now or not self.known or self.judgement.suspicions:
-                self._list()   # a suspicion's votes are in the others' fresh records
+        agreed = None
+        if list_now or not self.known or self.judgement.suspicions:
+            with no_retry(), deadline(ETCD_DEADLINE_S):
+                agreed = self._list()
         self._probe_round()
-        was = self.judgement
-        self.judgement = judge(self.me, self.known, self.present, self.answers, self._current(),
-                               self.finished, was, time.monotonic(), self.owner._ttl_s)
-        self._report(was, self.judgement)
-        suspects = frozenset(self.judgement.suspicions)
-        if suspects != self.mine.suspects:
-            self.mine = replace(self.mine, suspects=suspects)
-        with no_retry(), deadline(ETCD_DEADLINE_S):
-            self.publish()
-            for node in sorted(self.judgement.condemned & self.present):
-                # The majority's verdict: every survivor's listing sees it gone at once.
-                self.owner._client.delete(self.owner._keys.rdzv_recovery(self.round) + node)
-                self.present.discard(node)
-        if self.judgement.loss is not None and self._stop.is_set() is False:
-            self._recover(self.judgement.loss, reported)
+        return Seen(reported=reported,
+                    finished=reported is not None and progress.event in _FINISHED,
+                    completed=reported is not None and progress.event == "completed",
+                    world=progress.world(self.me) if reported is not None else None,
+                    known=dict(self.known), present=frozenset(self.present),
+                    answers=dict(self.answers), agreed=agreed, now=time.monotonic())
 
     def _report(self, was: Judgement, now: Judgement) -> None:
         """One line when this companion is cut off from the majority, and when it is back."""
@@ -419,7 +484,8 @@ class _Round:
         self.owner._client.put(self.key, self.mine.encode(), lease.id)
         self.published = self.mine
 
-    def _list(self) -> None:
+    def _list(self) -> GenerationRecord | None:
+        """Refresh the round's records; the job's generation record, if one is readable."""
         keys = self.owner._keys
         prefix = keys.rdzv_recovery(self.round)
         found, _ = self.owner._client.get_many([keys.generation])
@@ -432,7 +498,13 @@ class _Round:
                 self.known[node] = record
                 present.add(node)
         self.present = present
-        self._backstop(found.get(keys.generation))
+        kv = found.get(keys.generation)
+        if kv is None:
+            return None
+        try:
+            return GenerationRecord.from_json(kv.value)
+        except GenerationRecordError:
+            return None
 
     def _probe_round(self) -> None:
         suspected = {n for r in self.known.values() for n in r.suspects}
@@ -446,15 +518,33 @@ class _Round:
             return   # the pool was shut down: the round ended
         self.answers.update(zip(targets, answers, strict=True))
 
-    def _current(self) -> tuple[str, ...] | None:
-        if self.adopted is not None:
-            return self.adopted.nodes
-        return None
+    # -- the executors: each carries out one action and logs what came of it
+    def _publish(self, action: Action) -> None:
+        with no_retry(), deadline(ETCD_DEADLINE_S):
+            self.publish()
 
-    # -- the agreement
-    def _recover(self, loss: Loss, reported: GenerationId | None) -> None:
+    def _evict(self, action: Action) -> None:
+        """The majority's verdict: every survivor's listing sees the records gone at once."""
+        prefix = self.owner._keys.rdzv_recovery(self.round)
+        with no_retry(), deadline(ETCD_DEADLINE_S):
+            for node in action["peers"]:
+                self.owner._client.delete(prefix + node)
+                self.present.discard(node)
+
+    def _write_generation(self, action: Action) -> None:
+        """A record of our round agreed by another survivor: hand it over too (the backstop)."""
+        record: GenerationRecord = action["record"]
+        self._hand_over(record)
+        log.info(f"lost {', '.join(record.lost)} ({record.cause}): generation {record.id} "
+                 f"agreed in place by another survivor, {len(record.nodes)} nodes; handed "
+                 "to the workers", event_kind="recovery", round=self.round,
+                 lost=list(record.lost), generation=str(record.id), wrote=False,
+                 status="ok" if record.member(self.me) else "fenced")
+
+    def _shrink(self, action: Action) -> None:
+        loss: Loss = action["loss"]
         started = time.monotonic()
-        workers = workers_generation(reported, self.adopted)
+        workers = workers_generation(action["reported"], self.adopted)
         if workers is None:
             self._failed(loss, "our workers have not reported their generation yet")
             return
@@ -490,24 +580,6 @@ class _Round:
                         "generation; the workers take the restart path", reason=reason,
                         round=self.round)
 
-    def _backstop(self, kv: Any) -> None:
-        """A record of our round agreed by another survivor: hand it over too."""
-        if kv is None:
-            return
-        try:
-            record = GenerationRecord.from_json(kv.value)
-        except GenerationRecordError:
-            return
-        mine = self.mine.world.generation if self.mine.world is not None else None
-        base = workers_generation(mine, self.adopted)
-        if base is not None and record.id.newer_than(base):
-            self._hand_over(record)
-            log.info(f"lost {', '.join(record.lost)} ({record.cause}): generation {record.id} "
-                     f"agreed in place by another survivor, {len(record.nodes)} nodes; handed "
-                     "to the workers", event_kind="recovery", round=self.round,
-                     lost=list(record.lost), generation=str(record.id), wrote=False,
-                     status="ok" if record.member(self.me) else "fenced")
-
     def _hand_over(self, record: GenerationRecord) -> None:
         hand_over(str(self.owner.generation_file), record)
         self.adopted = record
@@ -515,3 +587,11 @@ class _Round:
             self.answers.pop(node, None)
             self.known.pop(node, None)
 
+
+# The companion's words of the loops' vocabulary (elasticd.actions) and who carries each out.
+_ACTIONS: dict[Kind, Callable[[_Round, Action], None]] = {
+    Kind.WRITE_GENERATION: _Round._write_generation,
+    Kind.PUBLISH: _Round._publish,
+    Kind.EVICT: _Round._evict,
+    Kind.SHRINK: _Round._shrink,
+}

@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+from elasticd.actions import Kind
 from elasticd.errors import ConfigError
 from elasticd.generation import GenerationId, GenerationRecord, WorldView, renumber
 from elasticd.inplace.loss import Loss
@@ -20,7 +21,9 @@ from elasticd.rendezvous.companion import (
     Judgement,
     PeerRecord,
     RecoveryCompanion,
+    Seen,
     judge,
+    plan,
     probe_targets,
     remove_stale_dirs,
     workers_generation,
@@ -121,6 +124,62 @@ def test_probe_targets_are_ring_successors_the_suspected_and_every_vanished_memb
     assert probe_targets("a", known, ["a", "b", "c", "e"], neighbours=2) == ["b", "c", "d"]
     assert probe_targets("a", known, known, suspected={"e", "a"}, neighbours=2) == ["b", "c", "e"]
     assert probe_targets("a", ["a"], ["a"]) == []
+
+
+def _seen(known, present, answers, *, world=None, agreed=None, completed=False, now=T):
+    return Seen(reported=GEN, finished=completed, completed=completed, world=world,
+                known=known, present=frozenset(present), answers=answers, agreed=agreed,
+                now=now)
+
+
+def test_plan_publishes_only_a_changed_record_and_shrinks_a_loss():
+    known = _known("a", "b", "c")
+    mine = known["a"]
+    quiet = plan("a", _seen(known, known, {}), mine, mine, None, Judgement(), 5.0)
+    assert quiet.actions == () and quiet.mine == mine
+    # c crashed (its record went, its probe is refused): the loss is shrunk; nothing of
+    # ours changed, so nothing is published.
+    out = plan("a", _seen(known, {"a", "b"}, {"c": Liveness.REFUSED}), mine, mine, None,
+               Judgement(), 5.0)
+    assert [a.kind for a in out.actions] == [Kind.SHRINK]
+    assert out.actions[0]["loss"] == Loss(("c",), "peer-crashed")
+    assert out.actions[0]["reported"] == GEN
+    # our workers completed: the record says so (our departure is no loss), and no shrink
+    done = plan("a", _seen(known, {"a", "b"}, {"c": Liveness.REFUSED}, completed=True), mine,
+                mine, None, Judgement(), 5.0)
+    assert [a.kind for a in done.actions] == [Kind.PUBLISH] and done.mine.done
+    assert done.actions[0]["record"] == done.mine
+
+
+def test_plan_publishes_suspicions_and_evicts_only_on_the_majoritys_verdict():
+    known = _known("a", "b", "c")
+    mine = known["a"]
+    alone = plan("a", _seen(known, known, {"b": Liveness.REFUSED}), mine, mine, None,
+                 Judgement(), 5.0)
+    assert [a.kind for a in alone.actions] == [Kind.PUBLISH]
+    assert alone.mine.suspects == {"b"}
+    backed = _suspecting(known, c="b")
+    both = plan("a", _seen(backed, backed, {"b": Liveness.REFUSED}), alone.mine, alone.mine,
+                None, alone.judgement, 5.0)
+    kinds = [a.kind for a in both.actions]
+    assert kinds[:1] == [Kind.EVICT] and both.actions[0]["peers"] == ("b",)
+    assert kinds[1:] == [Kind.SHRINK] and both.actions[1]["loss"].lost == ("b",)
+
+
+def test_plan_hands_over_a_newer_record_another_survivor_agreed_and_judges_past_it():
+    known = _known("a", "b", "c")
+    mine = known["a"]
+    agreed = GenerationRecord(GEN.next(), renumber([("a", 1), ("b", 1)]), "127.0.0.1:1",
+                              lost=("c",), cause="peer-crashed")
+    out = plan("a", _seen(known, {"a", "b"}, {"c": Liveness.REFUSED}, agreed=agreed), mine,
+               mine, None, Judgement(), 5.0)
+    # c is settled by that record: handed to our workers, not shrunk a second time
+    assert [a.kind for a in out.actions] == [Kind.WRITE_GENERATION]
+    assert out.actions[0]["record"] == agreed
+    # an older or equal record is not handed over again
+    again = plan("a", _seen(known, {"a", "b"}, {}, agreed=agreed), mine, mine, agreed,
+                 Judgement(), 5.0)
+    assert again.actions == ()
 
 
 def test_workers_generation_is_the_newer_of_reported_and_handed_over():
