@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from elasticd import proctree
-from elasticd.generation import GenerationId, GenerationRecord, renumber, shrink
+from elasticd.contract.generation import GenerationId, GenerationRecord, renumber, shrink
 from elasticd.inplace.handover import hand_over
 from elasticd.lab.embedded_etcd import free_port
 from elasticd.rendezvous import torch_compat

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from elasticd.generation import GenerationId, GenerationRecord
+from elasticd.contract.generation import GenerationId, GenerationRecord
 from trainer import inplace, reform
 
 TIMEOUT = timedelta(seconds=60)

@@ -4,7 +4,7 @@
 directory for writing: ``{"generation": 7, "epoch": "<hex>", "seq": 0}``. A generation is:
 
 * ``number``: torch's rendezvous round of the writer's world (``ELASTICD_GENERATION``);
-* ``seq``: the in-place re-forms of that round (``elasticd.generation``; 0 when torchrun
+* ``seq``: the in-place re-forms of that round (``elasticd.contract.generation``; 0 when torchrun
   formed the world; a fence written before re-forms existed reads as 0);
 * ``epoch``: an id of the rendezvous state's lifetime (``ELASTICD_GENERATION_EPOCH``). The
   round restarts at 0 whenever the rendezvous state is created afresh (its etcd lease
@@ -49,7 +49,7 @@ _MAX_EPOCH_CHARS = 256
 @dataclass(frozen=True)
 class Generation:
     """A world's generation: its rendezvous round `number` within rendezvous `epoch`, and
-    `seq`, the in-place re-forms of that round (elasticd.generation; 0 for the world
+    `seq`, the in-place re-forms of that round (elasticd.contract.generation; 0 for the world
     torchrun formed). Within an epoch, generations are ordered by (number, seq)."""
 
     number: int

@@ -18,7 +18,7 @@ import structlog
 import torch
 
 # The one keep_last rule, shared with the daemon config and the worker contract.
-from elasticd.worker_contract import KEEP_LAST_WHY, MIN_KEEP_LAST, is_valid_keep_last
+from elasticd.contract.settings import KEEP_LAST_WHY, MIN_KEEP_LAST, is_valid_keep_last
 
 from . import layout
 from .errors import (

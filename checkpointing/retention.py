@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import structlog
 
 # One liveness test for the project: a zombie writer is dead, its temps are leftovers.
-from elasticd.proctree import pid_alive
+from elasticd.contract.pids import pid_alive
 
 from . import _hooks, layout
 from .errors import CorruptCheckpointError, StorageError

@@ -2,7 +2,7 @@
 
 The command is plain torchrun with ``--rdzv-backend=etcd3``: anything the
 daemon adds to the workers' environment (``ELASTICD_*``, defined once in
-``elasticd.worker_contract``) a plain torchrun user could set too. The agent gets
+``elasticd.contract.settings``) a plain torchrun user could set too. The agent gets
 a parent-death signal, so a SIGKILLed daemon takes its agent along; workers watch
 their parent (trainer's watchdog), and the daemon, as child subreaper, adopts and
 kills any worker an agent leaves behind.
@@ -26,9 +26,10 @@ from pathlib import Path
 import psutil
 import structlog
 
-from elasticd import proctree, worker_contract
+from elasticd import proctree
 from elasticd.config import Config
-from elasticd.worker_contract import ETCD_AUTH_STDIN_VAR, SECRET_VARS, WorkerSettings
+from elasticd.contract import settings as worker_contract
+from elasticd.contract.settings import ETCD_AUTH_STDIN_VAR, SECRET_VARS, WorkerSettings
 
 log = structlog.get_logger(__name__)
 

@@ -19,11 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elasticd.errors import ConfigError
-from elasticd.etcd_client import EtcdSettings, parse_endpoint
-from elasticd.preemption import PreemptionConfig
-from elasticd.rendezvous.keys import DEFAULT_ROUNDS, ROUNDS, check_job_id
-from elasticd.worker_contract import (
+from elasticd.contract.settings import (
     DEFAULT_LR_RULE,
     DEFAULT_RECOVERY,
     DEFAULT_RECOVERY_BOUND_S,
@@ -34,6 +30,10 @@ from elasticd.worker_contract import (
     RecoveryMode,
     is_valid_keep_last,
 )
+from elasticd.errors import ConfigError
+from elasticd.etcd_client import EtcdSettings, parse_endpoint
+from elasticd.preemption import PreemptionConfig
+from elasticd.rendezvous.keys import DEFAULT_ROUNDS, ROUNDS, check_job_id
 
 
 def _require(ok: bool, key: str, value: Any, fix: str) -> None:
@@ -172,7 +172,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LrConfig:
-    rule: str = DEFAULT_LR_RULE   # the workers' default too (elasticd/worker_contract.py)
+    rule: str = DEFAULT_LR_RULE   # the workers' default too (elasticd/contract/settings.py)
     # The world size the script's LR is for. None (the default, as for the workers and the
     # plugin): the job's first world, kept in its checkpoints. It used to be 1, so a script
     # that scales its own LR (lr * world_size, as DDP tutorials teach) was scaled twice: 3x

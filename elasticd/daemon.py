@@ -42,7 +42,7 @@ from typing import Any
 import psutil
 import structlog
 
-from elasticd import __version__, generation, proctree
+from elasticd import __version__, proctree
 from elasticd.actions import Action, Kind
 from elasticd.agent import (
     AgentProcess,
@@ -55,6 +55,8 @@ from elasticd.agent import (
     worker_env,
 )
 from elasticd.config import RELOADABLE, Config, load_config
+from elasticd.contract import generation
+from elasticd.contract.progress import ProgressReader
 from elasticd.errors import ElasticdError, EtcdError
 from elasticd.etcd_client import EtcdClient, deadline
 from elasticd.inplace.agreement import ShrinkOutcome, shrink_world
@@ -63,7 +65,7 @@ from elasticd.inplace.store import StoreHost
 from elasticd.journal import Journal
 from elasticd.membership import Membership
 from elasticd.metrics import Metrics
-from elasticd.observer import CheckpointScanner, JobReader, ProgressReader, reap_orphans
+from elasticd.observer import CheckpointScanner, JobReader, reap_orphans
 from elasticd.preemption import Notice, PreemptionWatcher
 from elasticd.probe import Prober, ProbeServer
 from elasticd.rendezvous import admin

@@ -31,9 +31,9 @@ from typing import Any
 
 import structlog
 
+from elasticd.contract.generation import GenerationRecordError, WorldView, is_endpoint
 from elasticd.errors import EtcdError
 from elasticd.etcd_client import EtcdClient, KeyValue, WatchEvent
-from elasticd.generation import GenerationRecordError, WorldView, is_endpoint
 from elasticd.lease import LeaseKeeper
 from elasticd.rendezvous.keys import JobKeys
 from elasticd.supervisor import PeerView

@@ -16,112 +16,19 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import psutil
 import structlog
 
+from elasticd.contract.generation import GenerationRecord, GenerationRecordError
 from elasticd.errors import EtcdError
 from elasticd.etcd_client import EtcdClient, KeyValue
-from elasticd.generation import GenerationId, GenerationRecord, GenerationRecordError, WorldView
-from elasticd.inplace.reform import Reform
 from elasticd.rendezvous import state_ops
 from elasticd.rendezvous.keys import JobKeys
 from elasticd.rendezvous.rounds import CorruptRoundError, World, decode_pointer
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class Progress:
-    """The workers' last progress record (``trainer/progress.py`` writes it)."""
-
-    step: int | None = None
-    world_size: int | None = None
-    event: str | None = None
-    restart_count: int | None = None
-    rank: int | None = None          # the global rank of the node's local rank 0
-    generation: GenerationId | None = None   # the workers' generation (absent: plain torchrun)
-    local_world_size: int | None = None
-    reform: Reform | None = None     # the details of a reformed / reform-failed event
-    reason: str | None = None        # why, for an event that says (unfit, peer-unfit, ...)
-
-    def world(self, node: str) -> WorldView | None:
-        """What this node publishes of its workers' world (``world`` in its record)."""
-        if self.generation is None or None in (self.rank, self.local_world_size, self.world_size):
-            return None
-        try:
-            return WorldView.from_record(node, {
-                "generation": self.generation.as_dict(), "first_rank": self.rank,
-                "nproc": self.local_world_size, "world_size": self.world_size})
-        except GenerationRecordError:
-            return None
-
-
-_REFORM_EVENTS = ("reformed", "reform-failed")
-
-
-def parse_progress(raw: Any) -> Progress | None:
-    if not isinstance(raw, dict):
-        return None
-    step, world, event, restarts, rank, local = (raw.get(k) for k in (
-        "step", "world_size", "event", "restart_count", "rank", "local_world_size"))
-    if not all(v is None or type(v) is int for v in (step, world, restarts, rank, local)):
-        return None
-    if event is not None and not isinstance(event, str):
-        return None
-    generation = _generation(raw.get("generation"))
-    reform = _reform(event, raw) if event in _REFORM_EVENTS else None
-    reason = raw.get("reason") if isinstance(raw.get("reason"), str) else None
-    return Progress(step, world, event, restarts, rank, generation, local, reform, reason)
-
-
-def _generation(raw: Any) -> GenerationId | None:
-    # A garbled generation leaves the world unknown (the restart path), not the record.
-    if raw is None:
-        return None
-    try:
-        return GenerationId.from_dict(raw)
-    except GenerationRecordError:
-        return None
-
-
-def _reform(event: str, raw: dict[str, Any]) -> Reform:
-    def typed(name: str, kind: type | tuple[type, ...]) -> Any:
-        value = raw.get(name)
-        return value if isinstance(value, kind) and not isinstance(value, bool) else None
-
-    duration = typed("duration_s", (int, float))
-    return Reform(event, None if duration is None else float(duration),
-                  typed("from_world_size", int), typed("cause", str), typed("reason", str))
-
-
-class ProgressReader:
-    """Re-reads the progress file when its mtime changes."""
-
-    def __init__(self, path: Path) -> None:
-        self._path = path
-        self._mtime: float | None = None
-        self.progress = Progress()
-
-    def read(self) -> Progress:
-        try:
-            mtime = self._path.stat().st_mtime
-        except OSError:
-            return self.progress
-        if mtime == self._mtime:
-            return self.progress
-        try:
-            parsed = parse_progress(json.loads(self._path.read_text()))
-        except (OSError, ValueError):
-            return self.progress  # caught mid-replace; the next cycle reads it
-        self._mtime = mtime
-        if parsed is None:
-            log.warning("ignoring a malformed progress record", file=str(self._path))
-            return self.progress
-        self.progress = parsed
-        return parsed
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ group leaves them running. Two mechanisms close that gap:
   exec, which is unsafe while the parent has other threads (a lock held by
   another thread at fork stays locked forever in the child).
 
-``pid_alive`` is the one liveness test of the project (daemon, trainer watchdog,
+``pid_alive`` (``elasticd.contract.pids``) is the one liveness test of the project (daemon, trainer watchdog,
 checkpoint cleanup): a zombie is dead.
 """
 
@@ -28,6 +28,8 @@ from collections.abc import Iterable
 
 import psutil
 import structlog
+
+from elasticd.contract.pids import pid_alive
 
 log = structlog.get_logger(__name__)
 
@@ -98,37 +100,6 @@ def descendants(pid: int | None = None) -> list[psutil.Process]:
     except psutil.NoSuchProcess:
         return []
     return [p for p in reversed(kids) if pid_alive(p)]
-
-
-def pid_alive(pid: int | psutil.Process) -> bool:
-    """True while ``pid`` runs; False when it is gone or a zombie (dead but unreaped).
-
-    A ``psutil.Process`` is also checked for pid reuse (a new process with the same
-    pid is not the one that was captured). A process we may not inspect exists, so
-    it counts as alive.
-    """
-    if isinstance(pid, psutil.Process):
-        proc = pid
-        try:
-            if not proc.is_running():
-                return False
-        except psutil.Error:
-            return False
-    else:
-        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
-            return False  # 0 and negatives name process groups for kill(), not a process
-        try:
-            proc = psutil.Process(pid)
-        except psutil.NoSuchProcess:
-            return False
-        except psutil.AccessDenied:
-            return True
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True
 
 
 def kill_processes(procs: Iterable[psutil.Process], grace_s: float = 0.0) -> list[psutil.Process]:

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 from elasticd.config import Config
+from elasticd.contract.generation import GenerationId, GenerationRecord, GenerationRecordError
 from elasticd.errors import ElasticdError, EtcdError
 from elasticd.etcd_client import EtcdClient
-from elasticd.generation import GenerationId, GenerationRecord, GenerationRecordError
 from elasticd.journal import recent_entries
 from elasticd.rendezvous import admin
 from elasticd.rendezvous.keys import JobKeys

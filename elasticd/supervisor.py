@@ -51,11 +51,11 @@ from typing import Any
 
 from elasticd import quorum
 from elasticd.actions import Action, Kind, act
-from elasticd.generation import GenerationId, GenerationRecord, WorldView
+from elasticd.contract.generation import GenerationId, GenerationRecord, WorldView
+from elasticd.contract.progress import WORKING, Reform
+from elasticd.contract.settings import DEFAULT_RECOVERY, IN_PLACE, RecoveryMode
 from elasticd.inplace import loss
 from elasticd.inplace.agreement import ShrinkOutcome
-from elasticd.inplace.reform import Reform
-from elasticd.worker_contract import DEFAULT_RECOVERY, IN_PLACE, RecoveryMode
 
 
 class Phase(enum.Enum):
@@ -359,7 +359,7 @@ def _progress(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list
     notes = ["training progressed past the last failure; the crash count is reset"] if cleared else []
     actions: list[Action] = []
     if (mem.recovering is not None and mem.in_place is None
-            and snap.progress_event in ("step", "checkpoint")):
+            and snap.progress_event in WORKING):
         kind, since = mem.recovering
         took = round(snap.now - since, 3)
         mem = replace(mem, recovering=None)

@@ -80,3 +80,46 @@ def test_the_runtime_imports_with_the_lab_absent():
                           timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split(" ", 1) == [str(len(modules)), "[]\n"], done.stdout
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module ``path`` imports (at any depth; ``from X import y`` counts as X)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names if node.module == "elasticd"}
+    return found
+
+
+# What the workers' side may take from elasticd: the contract, and torch_compat (the one
+# definition of which reconfigure API the installed torch has, shared with the plugin).
+WORKER_SIDE_ALLOWED = ("elasticd.contract", "elasticd.rendezvous.torch_compat")
+
+
+def test_trainer_and_checkpointing_import_only_the_contract_of_elasticd():
+    stray = sorted(
+        (p.relative_to(REPO).as_posix(), m)
+        for top in ("trainer", "checkpointing") for p in (REPO / top).rglob("*.py")
+        if "examples" not in p.parts
+        for m in imports_of(p)
+        if (m == "elasticd" or m.startswith("elasticd."))
+        and not any(m == a or m.startswith(a + ".") for a in WORKER_SIDE_ALLOWED))
+    assert stray == [], f"the workers' side imports elasticd beyond its contract: {stray}"
+
+
+def test_the_contract_is_a_leaf_and_torch_free():
+    contract = sorted((REPO / "elasticd" / "contract").glob("*.py"))
+    stray = sorted((p.name, m) for p in contract for m in imports_of(p)
+                   if m.startswith(("elasticd", "trainer", "checkpointing", "torch"))
+                   and not m.startswith("elasticd.contract"))
+    assert stray == [], f"elasticd.contract imports beyond itself: {stray}"
+    names = ", ".join(f"elasticd.contract.{p.stem}" for p in contract if p.stem != "__init__")
+    code = f"import sys, {names}; print([m for m in sys.modules if m.split('.')[0] in " \
+           "('torch', 'trainer', 'checkpointing') or (m.startswith('elasticd.') " \
+           "and not m.startswith('elasticd.contract'))])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=REPO, check=True)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr

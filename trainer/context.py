@@ -4,7 +4,7 @@ Two sources, both optional beyond torchrun's own variables:
 
 * torchrun's worker environment (RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK, ...);
 * the ``ELASTICD_*`` contract set by the elasticd daemon, defined once in
-  ``elasticd.worker_contract`` (torch-free, shared with the daemon). A plain torchrun
+  ``elasticd.contract.settings`` (torch-free, shared with the daemon). A plain torchrun
   user may export the same variables by hand or pass the equivalent script arguments
   (``ElasticContext.with_overrides``).
 """
@@ -19,8 +19,8 @@ from typing import Any
 
 import structlog
 
-from elasticd.generation import GenerationId
-from elasticd.worker_contract import (
+from elasticd.contract.generation import GenerationId
+from elasticd.contract.settings import (
     CHANNEL_NAMES,
     DEFAULT_LR_RULE,
     FIELD_NAMES,
@@ -50,7 +50,7 @@ _HOW_TO_LAUNCH = (
 class ElasticContext(WorkerSettings):
     """This worker's place in the world plus the ``ELASTICD_*`` settings.
 
-    The settings are inherited from ``elasticd.worker_contract.WorkerSettings`` (the
+    The settings are inherited from ``elasticd.contract.settings.WorkerSettings`` (the
     one definition the daemon writes from); ``None`` means "not set": the library
     then uses its documented default.
     """
@@ -133,7 +133,7 @@ class ElasticContext(WorkerSettings):
 
     @property
     def generation_id(self) -> GenerationId | None:
-        """This worker's generation (elasticd.generation), None without the etcd3 plugin."""
+        """This worker's generation (elasticd.contract.generation), None without the etcd3 plugin."""
         if self.generation is None:
             return None
         return GenerationId(self.generation, self.generation_seq, self.generation_epoch)

@@ -40,7 +40,7 @@ import structlog
 import torch
 
 from checkpointing.errors import StaleGenerationError, StorageFullError
-from elasticd.generation import GenerationRecord
+from elasticd.contract.generation import GenerationRecord
 from trainer import dist as tdist
 from trainer import inplace
 from trainer.context import ElasticContext

@@ -1,6 +1,6 @@
 """In-place recovery: the survivors of a lost peer re-form the group without restarting.
 
-The daemons agree on the next generation in etcd (``elasticd.generation``) and each
+The daemons agree on the next generation in etcd (``elasticd.contract.generation``) and each
 hands it to its workers in the local generation file. A worker whose collective fails,
 or who is released from one by that file, then (all bounded by ``recovery_bound_s``):
 
@@ -41,7 +41,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from elasticd.generation import GenerationId, GenerationRecord, GenerationRecordError, read_file
+from elasticd.contract.generation import GenerationId, GenerationRecord, GenerationRecordError, read_file
 from trainer.errors import TrainerError
 
 log = structlog.get_logger(__name__)

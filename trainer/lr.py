@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from elasticd.worker_contract import LR_RULES
+from elasticd.contract.settings import LR_RULES
 from trainer.errors import ConfigError
 
 Schedule = Callable[[int], float]

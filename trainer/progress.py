@@ -18,6 +18,7 @@ from typing import Any
 
 import structlog
 
+from elasticd.contract.progress import EVENTS, WORKING
 from trainer.context import ElasticContext
 
 log = structlog.get_logger(__name__)
@@ -27,10 +28,7 @@ log = structlog.get_logger(__name__)
 # second and the first step after each event, not a rewrite per step.
 FILE_INTERVAL_S = 0.25
 
-# "warm": a newcomer (ELASTICD_JOINING=1) is ready (imports, model, device) and waits to be
-# admitted by a generation that names its node among the joined.
-EVENTS = ("step", "resumed", "checkpoint", "stopped", "completed", "reformed", "reform-failed",
-          "diverged", "unfit", "peer-unfit", "warm")
+
 
 
 def write_atomic(path: str, text: str) -> None:
@@ -105,7 +103,7 @@ class ProgressReporter:
         now = self._clock()
         write = self.path is not None and self._file_due(event, now)
         line = self._line_due(event, step)
-        if event in ("step", "checkpoint") and (write or line):
+        if event in WORKING and (write or line):
             self._update_rate(step)  # from the steps between two calls: any call will do
         if not (write or line):
             return

@@ -27,7 +27,7 @@ import structlog
 import torch
 
 from checkpointing.errors import StaleGenerationError
-from elasticd.generation import GenerationId, GenerationRecord
+from elasticd.contract.generation import GenerationId, GenerationRecord
 from trainer import dist as tdist
 from trainer import inplace, reform
 from trainer.errors import ConfigError

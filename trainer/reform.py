@@ -41,7 +41,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from elasticd.generation import GenerationId, GenerationRecord
+from elasticd.contract.generation import GenerationId, GenerationRecord
 from elasticd.rendezvous.torch_compat import nccl2_backend, reconfigure_api
 from trainer import inplace
 

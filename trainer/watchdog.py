@@ -29,7 +29,7 @@ from collections.abc import Callable
 import structlog
 
 # The project's one liveness test (a zombie daemon is dead); re-exported here.
-from elasticd.proctree import pid_alive
+from elasticd.contract.pids import pid_alive
 from trainer.exitcodes import ORPHAN_EXIT_CODE
 
 __all__ = ["OrphanWatchdog", "pid_alive"]

@@ -1,4 +1,4 @@
-"""The agreement on the next in-place generation (``elasticd.generation``).
+"""The agreement on the next in-place generation (``elasticd.contract.generation``).
 
 ``shrink_world``: the next generation without the lost nodes, agreed by one
 compare-and-set on ``JobKeys.generation``. Every survivor (each daemon, or each
@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from elasticd.etcd_client import EtcdClient, KeyValue, no_retry
-from elasticd.generation import (
+from elasticd.contract.generation import (
     GenerationId,
     GenerationRecord,
     GenerationRecordError,
@@ -24,6 +23,7 @@ from elasticd.generation import (
     current_world,
     shrink,
 )
+from elasticd.etcd_client import EtcdClient, KeyValue, no_retry
 from elasticd.rendezvous.keys import JobKeys
 
 log = structlog.get_logger(__name__)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from elasticd.generation import GenerationRecord
+from elasticd.contract.generation import GenerationRecord
 
 
 def hand_over(path: str, record: GenerationRecord) -> None:

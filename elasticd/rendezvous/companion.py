@@ -59,26 +59,26 @@ import structlog
 
 from elasticd import quorum
 from elasticd.actions import Action, Kind, act
-from elasticd.errors import EtcdError
-from elasticd.etcd_client import EtcdClient, deadline, no_retry
-from elasticd.generation import (
+from elasticd.contract.generation import (
     GenerationId,
     GenerationRecord,
     GenerationRecordError,
     WorldView,
     is_endpoint,
 )
+from elasticd.contract.progress import FINISHED, ProgressReader
+from elasticd.contract.settings import IN_PLACE, RESTART
+from elasticd.errors import EtcdError
+from elasticd.etcd_client import EtcdClient, deadline, no_retry
 from elasticd.inplace import loss
 from elasticd.inplace.agreement import shrink_world
 from elasticd.inplace.handover import hand_over
 from elasticd.inplace.loss import Loss
 from elasticd.inplace.store import StoreHost
 from elasticd.lease import LeaseKeeper
-from elasticd.observer import ProgressReader
 from elasticd.probe import Liveness, ProbeServer, probe, ring_successors
 from elasticd.rendezvous import admin
 from elasticd.rendezvous.keys import JobKeys
-from elasticd.worker_contract import IN_PLACE, RESTART
 
 log = structlog.get_logger(__name__)
 
@@ -93,8 +93,6 @@ SHRINK_BUDGET_S = 1.0
 NEIGHBOURS = 2
 # The per-agent directory in the temporary directory: <prefix><pid>-<random>.
 DIR_PREFIX = "elasticd-agent-"
-# Progress events after which the local workers are no longer in their group.
-_FINISHED = ("completed", "stopped", "reform-failed")
 
 
 # -- the record and the pure decisions -----------------------------------------------------
@@ -461,7 +459,7 @@ class _Round:
                 agreed = self._list()
         self._probe_round()
         return Seen(reported=reported,
-                    finished=reported is not None and progress.event in _FINISHED,
+                    finished=reported is not None and progress.event in FINISHED,
                     completed=reported is not None and progress.event == "completed",
                     world=progress.world(self.me) if reported is not None else None,
                     known=dict(self.known), present=frozenset(self.present),

@@ -62,6 +62,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 
+from elasticd.contract.settings import IN_PLACE, RECOVERY_MODES, UNAGREED_RECOVERY, RecoveryMode
 from elasticd.errors import ConfigError, EtcdError
 from elasticd.etcd_client import EtcdClient, EtcdSettings, no_retry
 from elasticd.lease import LeaseKeeper
@@ -79,7 +80,6 @@ from elasticd.rendezvous.leaving import LeavesOnExit, warn_giving_up
 from elasticd.rendezvous.rounds import Rules
 from elasticd.rendezvous.store import EtcdV3Store
 from elasticd.rendezvous.torch_compat import check_torch_apis, supports_cas_backoff
-from elasticd.worker_contract import IN_PLACE, RECOVERY_MODES, UNAGREED_RECOVERY, RecoveryMode
 
 if TYPE_CHECKING:
     from elasticd.rendezvous.companion import RecoveryCompanion

@@ -23,7 +23,7 @@
                                         then derives running, failed or stalled from the
                                         node records and the journal). A failed node says
                                         so in its own record and the journal, not here
-``/elasticd/<job>/generation``          the agreed in-place generation (elasticd.generation)
+``/elasticd/<job>/generation``          the agreed in-place generation (elasticd.contract.generation)
 """
 
 from __future__ import annotations

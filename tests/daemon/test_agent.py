@@ -28,7 +28,7 @@ from elasticd.agent import (
     worker_settings,
 )
 from elasticd.config import config_from_dict
-from elasticd.worker_contract import (
+from elasticd.contract.settings import (
     DEFAULT_LR_RULE,
     ETCD_AUTH_STDIN_VAR,
     WorkerSettings,

@@ -96,9 +96,9 @@ def test_bad_toml_and_missing_file(tmp_path):
 
 
 def test_the_recovery_mode_is_one_enum_with_one_default():
+    from elasticd.contract.settings import DEFAULT_RECOVERY, RecoveryMode
     from elasticd.daemon import policy_from
     from elasticd.supervisor import Policy
-    from elasticd.worker_contract import DEFAULT_RECOVERY, RecoveryMode
 
     c = config_from_dict(BASE)
     assert c.recovery.mode is DEFAULT_RECOVERY is RecoveryMode.IN_PLACE

@@ -28,20 +28,21 @@ import pytest
 from structlog.testing import capture_logs
 
 import elasticd.daemon as daemon_module
-from elasticd import generation, proctree
+from elasticd import proctree
 from elasticd.actions import Kind, act
 from elasticd.agent import worker_env
 from elasticd.config import config_from_dict
+from elasticd.contract import generation
+from elasticd.contract.generation import GenerationId, GenerationRecord, Member, WorldView
+from elasticd.contract.settings import WorkerSettings
 from elasticd.daemon import Daemon
 from elasticd.errors import EtcdUnavailable
-from elasticd.generation import GenerationId, GenerationRecord, Member, WorldView
 from elasticd.journal import Journal, recent_events
 from elasticd.membership import Membership, Peer
 from elasticd.observer import JobReader
 from elasticd.rendezvous.rounds import Agent, World, encode_pointer
 from elasticd.sdnotify import SystemdNotifier
 from elasticd.supervisor import Eviction, PeerView
-from elasticd.worker_contract import WorkerSettings
 from tests.daemon.test_sdnotify import FakeClock, FakeSystemd
 
 ADDR = "10.0.0.1"          # this node's agent address

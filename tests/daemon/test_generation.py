@@ -1,4 +1,4 @@
-"""elasticd.generation: the one definition of a generation and its record (pure, no etcd)."""
+"""elasticd.contract.generation: the one definition of a generation and its record (pure, no etcd)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elasticd.generation import (
+from elasticd.contract.generation import (
     GenerationId,
     GenerationRecord,
     GenerationRecordError,

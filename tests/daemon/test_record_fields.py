@@ -9,8 +9,8 @@ from datetime import timedelta
 
 import pytest
 
+from elasticd.contract.generation import WorldView
 from elasticd.etcd_client import EtcdClient, EtcdSettings
-from elasticd.generation import WorldView
 from elasticd.rendezvous.keys import JobKeys
 from tests.daemon_nodes import DaemonNode, stop_nodes, wait_for
 

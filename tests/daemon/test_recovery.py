@@ -10,14 +10,14 @@ from datetime import timedelta
 
 import pytest
 
+from elasticd.contract.generation import GenerationId, GenerationRecord, WorldView, renumber
+from elasticd.contract.progress import Reform, parse_progress
 from elasticd.errors import EtcdError
 from elasticd.etcd_client import EtcdClient, EtcdSettings
-from elasticd.generation import GenerationId, GenerationRecord, WorldView, renumber
 from elasticd.inplace.agreement import shrink_world
-from elasticd.inplace.reform import Reform
 from elasticd.inplace.store import StoreHost
 from elasticd.membership import parse_record
-from elasticd.observer import JobReader, parse_progress
+from elasticd.observer import JobReader
 from elasticd.rendezvous.keys import JobKeys
 
 G = GenerationId(2, 0, "ep")

@@ -346,7 +346,7 @@ def keyed_round(client, keys: JobKeys, round_: int, size: int, epoch: str = "e1"
 
 def agreed(client, keys: JobKeys, round_: int, seq: int, members: list[str], lost: list[str],
            epoch: str | None = "e1") -> None:
-    from elasticd.generation import GenerationId, GenerationRecord, renumber
+    from elasticd.contract.generation import GenerationId, GenerationRecord, renumber
 
     record = GenerationRecord(GenerationId(round_, seq, epoch), renumber((m, 1) for m in members),
                               "127.0.0.1:29400", tuple(lost), "peer-crashed", created=time.time())

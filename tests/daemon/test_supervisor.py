@@ -12,9 +12,10 @@ from dataclasses import replace
 import pytest
 
 from elasticd import supervisor
-from elasticd.generation import GenerationId, GenerationRecord, WorldView, renumber
+from elasticd.contract.generation import GenerationId, GenerationRecord, WorldView, renumber
+from elasticd.contract.progress import Reform
+from elasticd.contract.settings import IN_PLACE, RESTART
 from elasticd.inplace.agreement import ShrinkOutcome
-from elasticd.inplace.reform import Reform
 from elasticd.supervisor import (
     PHASE_EDGES,
     Death,
@@ -36,7 +37,6 @@ from elasticd.supervisor import (
     records_recovery,
     restart_cause,
 )
-from elasticd.worker_contract import IN_PLACE, RESTART
 
 POLICY = Policy(backoff_initial_s=1.0, backoff_max_s=8.0, crash_loop_failures=3,
                 crash_loop_window_s=100.0, completion_grace_s=30.0, kill_grace_s=2.0,

@@ -19,12 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from elasticd.actions import Kind
-from elasticd.generation import GenerationId, WorldView
+from elasticd.contract.generation import GenerationId, WorldView
+from elasticd.contract.settings import IN_PLACE
 from elasticd.inplace.loss import Loss
 from elasticd.probe import Liveness
 from elasticd.rendezvous.companion import Judgement, PeerRecord, judge
 from elasticd.supervisor import Memory, PeerView, Phase, Policy, Snapshot, decide
-from elasticd.worker_contract import IN_PLACE
 
 ME = "a"
 G = GenerationId(3, 0, "ep")

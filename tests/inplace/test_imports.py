@@ -12,7 +12,7 @@ DAEMON_MODULES = ("elasticd.supervisor", "elasticd.daemon", "elasticd.agent", "e
 
 def test_the_protocol_and_the_plugin_import_no_daemon_module():
     code = ("import sys, elasticd.inplace.loss, elasticd.inplace.agreement, "
-            "elasticd.inplace.handover, elasticd.inplace.store, elasticd.inplace.reform, "
+            "elasticd.inplace.handover, elasticd.inplace.store, elasticd.contract.progress, "
             "elasticd.rendezvous.companion, elasticd.rendezvous.handler; "
             f"print([m for m in {DAEMON_MODULES!r} if m in sys.modules])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

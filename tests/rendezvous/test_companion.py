@@ -13,8 +13,8 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elasticd.actions import Kind
+from elasticd.contract.generation import GenerationId, GenerationRecord, WorldView, renumber
 from elasticd.errors import ConfigError
-from elasticd.generation import GenerationId, GenerationRecord, WorldView, renumber
 from elasticd.inplace.loss import Loss
 from elasticd.probe import Liveness
 from elasticd.rendezvous.companion import (

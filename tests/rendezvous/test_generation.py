@@ -9,8 +9,8 @@ import signal
 
 import pytest
 
+from elasticd.contract.settings import contract_env_names
 from elasticd.rendezvous.handler import GENERATION_ENV, GENERATION_EPOCH_ENV
-from elasticd.worker_contract import contract_env_names
 from tests.torchrun_nodes import WORKER, TorchrunNode, latest, stop_all, wait_until, world_after
 
 # The allreduce worker, after recording the generation its environment carries.

@@ -35,7 +35,7 @@ def test_reads_torchrun_and_elasticd_variables():
 def test_elasticd_variables_are_optional():
     ctx = ElasticContext.from_env(TORCHRUN)
     assert ctx.checkpoint_dir is None and ctx.daemon_pid is None and ctx.stop_file is None
-    # The one default of elasticd.worker_contract (it was "none" here, "linear" in the daemon).
+    # The one default of elasticd.contract.settings (it was "none" here, "linear" in the daemon).
     assert (ctx.lr_rule, ctx.keep_last, ctx.lr_warmup_steps) == ("linear", 3, 0)
 
 

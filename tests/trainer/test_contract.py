@@ -1,4 +1,4 @@
-"""The worker contract (elasticd/worker_contract.py): one definition, both sides agree."""
+"""The worker contract (elasticd/contract/settings.py): one definition, both sides agree."""
 
 from __future__ import annotations
 
@@ -10,17 +10,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elasticd import worker_contract
 from elasticd.config import LR_RULES as CONFIG_LR_RULES
 from elasticd.config import CheckpointConfig, LrConfig
-from elasticd.errors import ConfigError as DaemonConfigError
-from elasticd.worker_contract import (
+from elasticd.contract import settings as worker_contract
+from elasticd.contract.settings import (
     DEFAULT_LR_RULE,
     FIELDS,
     LR_RULES,
     WorkerContractError,
     WorkerSettings,
 )
+from elasticd.errors import ConfigError as DaemonConfigError
 from trainer.context import ElasticContext
 from trainer.examples.common import parser
 
@@ -120,7 +120,7 @@ def test_example_flags_are_generated_from_the_contract():
 
 
 def test_importing_the_contract_imports_neither_torch_nor_trainer():
-    code = ("import sys, elasticd.worker_contract; "
+    code = ("import sys, elasticd.contract.settings; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'trainer')]; "
             "sys.exit(str(bad) if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

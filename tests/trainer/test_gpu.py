@@ -66,7 +66,7 @@ def test_an_nccl_group_reconfigures_where_torch_can(monkeypatch):
 
     import torch.distributed as dist
 
-    from elasticd.generation import GenerationId, GenerationRecord, renumber
+    from elasticd.contract.generation import GenerationId, GenerationRecord, renumber
     from trainer import reform
 
     timeout = timedelta(seconds=30)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from checkpointing import CheckpointManager
 from elasticd import proctree
-from elasticd.generation import (
+from elasticd.contract.generation import (
     GenerationId,
     GenerationRecord,
     drain,

@@ -22,7 +22,7 @@ import pytest
 import torch.distributed as dist
 
 from elasticd import proctree
-from elasticd.generation import GenerationId, GenerationRecord, renumber
+from elasticd.contract.generation import GenerationId, GenerationRecord, renumber
 from elasticd.lab.embedded_etcd import free_port
 from elasticd.rendezvous import torch_compat
 from trainer import reform

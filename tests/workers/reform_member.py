@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elasticd.generation import GenerationId, GenerationRecord
+from elasticd.contract.generation import GenerationId, GenerationRecord
 from trainer import reform
 
 TIMEOUT = timedelta(seconds=20)

@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import torch
 
-from elasticd import worker_contract
+from elasticd.contract import settings as worker_contract
 from trainer.context import ElasticContext
 from trainer.logs import configure_logging
 from trainer.loop import BatchFn, ElasticTrainer, LossFn, TrainConfig
@@ -44,7 +44,7 @@ def parser(description: str, *, batch_size: int, lr: float) -> argparse.Argument
 def add_contract_flags(p: argparse.ArgumentParser) -> None:
     """One flag per worker-contract setting (``--keep-last`` for ``ELASTICD_KEEP_LAST``, ...).
 
-    Generated from ``elasticd.worker_contract.FIELDS``, so a new setting gets its flag
+    Generated from ``elasticd.contract.settings.FIELDS``, so a new setting gets its flag
     without an edit here. A flag left out keeps the environment's value (default None).
     """
     env = p.add_argument_group("elastic settings (override the ELASTICD_* environment)")
