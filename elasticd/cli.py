@@ -57,7 +57,7 @@ def run(config_path: str, log_level: str) -> None:
 def _refuse_a_bad_checkpoint_dir(config) -> None:  # noqa: ANN001 - a loaded Config
     """What ``elasticd doctor`` finds wrong with the checkpoint directory stops ``run`` at
     once (exit 1; under systemd it retries, so a mount that comes up late is waited for)."""
-    from elasticd.doctor import checkpoint_dir_failures
+    from elasticd.ops.doctor import checkpoint_dir_failures
 
     failures = checkpoint_dir_failures(config)
     if failures:
@@ -85,7 +85,7 @@ def status(config_path: str, as_json: bool, events: int) -> None:
     A failed or stalled job's status is printed as any other's. 2 is click's
     own exit status for a bad command line.
     """
-    from elasticd.status import (
+    from elasticd.ops.status import (
         NO_SUCH_JOB_EXIT_CODE,
         NoSuchJob,
         exit_code,
@@ -117,7 +117,7 @@ def timeline(config_path: str, out_path: str | None, as_json: bool, limit: int) 
     """The job's history from its etcd journal: nodes, faults, recoveries, steps."""
     from pathlib import Path
 
-    from elasticd.timeline import draw_timeline, format_timeline, read_timeline
+    from elasticd.ops.timeline import draw_timeline, format_timeline, read_timeline
 
     try:
         result = read_timeline(_load(config_path), limit,
@@ -137,7 +137,7 @@ def timeline(config_path: str, out_path: str | None, as_json: bool, limit: int) 
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
 def doctor(config_path: str) -> None:
     """Preflight before joining a node: one ok/warn/FAIL line per check; exit 1 on a FAIL."""
-    from elasticd.doctor import exit_code, run_doctor
+    from elasticd.ops.doctor import exit_code, run_doctor
 
     sys.exit(exit_code(run_doctor(config_path, echo=click.echo)))
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from elasticd import doctor
 from elasticd.cli import main
 from elasticd.etcd_client import EtcdClient, EtcdSettings
 from elasticd.lab.embedded_etcd import free_port
+from elasticd.ops import doctor
 from tests.conftest import etcdctl
 
 

@@ -123,3 +123,12 @@ def test_the_contract_is_a_leaf_and_torch_free():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, cwd=REPO, check=True)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_only_the_command_line_imports_the_operators_commands():
+    # The loop and the plugin stay free of what status, timeline and doctor pull in.
+    stray = sorted((p.relative_to(REPO).as_posix(), m) for p in runtime_modules()
+                   if not p.relative_to(REPO).as_posix().startswith("elasticd/ops/")
+                   and p.name != "cli.py"
+                   for m in imports_of(p) if m == "elasticd.ops" or m.startswith("elasticd.ops."))
+    assert stray == [], f"runtime modules import elasticd.ops: {stray}"

@@ -24,8 +24,8 @@ from elasticd.cli import main
 from elasticd.etcd_client import EtcdClient, EtcdSettings
 from elasticd.journal import recent_events
 from elasticd.lab.local_cluster import DaemonNode, local_cluster, stepping_at, wait_for
+from elasticd.ops.timeline import Entry, build_timeline
 from elasticd.rendezvous.keys import JobKeys
-from elasticd.timeline import Entry, build_timeline
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

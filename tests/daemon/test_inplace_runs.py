@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from elasticd.config import load_config
+from elasticd.ops.status import read_status
 from elasticd.rendezvous.keys import JobKeys
-from elasticd.status import read_status
 from tests.conftest import connect
 from tests.daemon.runs import (
     MLP,

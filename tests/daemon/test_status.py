@@ -13,8 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from elasticd.cli import main
+from elasticd.ops.status import FAILED_EXIT_CODE, NO_SUCH_JOB_EXIT_CODE, STALLED_EXIT_CODE
 from elasticd.rendezvous.keys import JobKeys
-from elasticd.status import FAILED_EXIT_CODE, NO_SUCH_JOB_EXIT_CODE, STALLED_EXIT_CODE
 
 
 @pytest.fixture
@@ -183,8 +183,8 @@ def test_the_exit_statuses_are_in_the_help():
 def test_an_unknown_job_whose_jobs_cannot_be_listed_is_still_json(client, tmp_path, etcd_server,
                                                                  job_id, monkeypatch):
     """A job's etcd user may read its own prefix only: ``jobs`` is null, the error says why."""
-    from elasticd import status as status_module
     from elasticd.errors import EtcdAuthError
+    from elasticd.ops import status as status_module
 
     def refuse(*_args, **_kw):
         raise EtcdAuthError("permission denied")
@@ -199,7 +199,7 @@ def test_an_unknown_job_whose_jobs_cannot_be_listed_is_still_json(client, tmp_pa
 
 
 def test_job_ids_lists_each_job_once_and_stops_at_most(client):
-    from elasticd.status import job_ids
+    from elasticd.ops.status import job_ids
 
     root = f"/ids-{uuid.uuid4().hex[:8]}"
     for job in ("a", "a.b", "a0", "b", "c"):

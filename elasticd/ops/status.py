@@ -23,10 +23,10 @@ from elasticd.contract.generation import GenerationId, GenerationRecord, Generat
 from elasticd.errors import ElasticdError, EtcdError
 from elasticd.etcd_client import EtcdClient
 from elasticd.journal import recent_entries
+from elasticd.ops.timeline import DEFAULT_LIMIT, Entry, node_ends, parse_entries
 from elasticd.rendezvous import admin
 from elasticd.rendezvous.keys import JobKeys
 from elasticd.supervisor import GONE_STATES
-from elasticd.timeline import DEFAULT_LIMIT, Entry, node_ends, parse_entries
 
 # Node record fields shown by status, and the types a daemon writes them with.
 _NODE_FIELDS: dict[str, tuple[type, ...]] = {
