@@ -72,6 +72,7 @@ from benchmarks.mttr import (  # noqa: E402
     wait_quiet,
 )
 from elasticd import proctree  # noqa: E402
+from elasticd.contract.progress import WORKING  # noqa: E402
 from elasticd.lab.chaos import liveness  # noqa: E402
 from elasticd.lab.embedded_etcd import free_port  # noqa: E402
 from elasticd.lab.local_cluster import (  # noqa: E402
@@ -97,7 +98,7 @@ DEFER_S = 5.0        # a fault deferred for min_nodes comes this long after the 
 SETTLED_S = 15.0     # a victim has been in the job at least this long (a fresh node too)
 POLL_S = 0.05
 GRACE_CAP_S = 150.0  # after the window: how long to wait for the job's next step
-STEP_EVENTS = ("step", "checkpoint")
+STEP_EVENTS = WORKING   # the progress events of a group that trains
 STORE_CODE = ("import sys, time\nfrom torch.distributed import TCPStore\n"
               "s = TCPStore('127.0.0.1', int(sys.argv[1]), is_master=True, wait_for_workers=False,"
               " multi_tenant=True)\nprint('store ready', flush=True)\ntime.sleep(1e9)\n")

@@ -118,7 +118,7 @@ class Policy:
     # The rank-0 node journals a progress point this often (timelines of real jobs).
     progress_every_s: float = 30.0
     # [recovery] mode: IN_PLACE re-forms the survivors' group after a lost peer; RESTART
-    # kills them for torchrun. The config's default (worker_contract.DEFAULT_RECOVERY).
+    # kills them for torchrun. The config's default (contract.settings.DEFAULT_RECOVERY).
     recovery_mode: RecoveryMode = DEFAULT_RECOVERY
     # The workers' re-form bound; the daemon waits IN_PLACE_SLACK_S more, then kills them.
     recovery_bound_s: float = 5.0
