@@ -5,8 +5,8 @@ of scenarios (``LossContract``) runs against each in-place path's real decision 
 
 * ``TestDaemonPath``: the daemon's policy (``supervisor.decide``, cycle after cycle); its
   verdict is the ``lost`` of the first SHRINK it asks for;
-* ``TestCompanionPath``: plain torchrun's companion (``companion.judge``, tick after
-  tick); its verdict is the judgement's loss.
+* ``TestCompanionPath``: plain torchrun's companion (``companion.plan``, which runs
+  ``judge``, tick after tick); its verdict is the loss of the first SHRINK it asks for.
 
 A scenario is what node ``a`` observes, tick by tick: whose record lives and whom that
 record suspects, and what a's own probes answered. The adapters translate that into each
@@ -19,11 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from elasticd.actions import Kind
-from elasticd.contract.generation import GenerationId, WorldView
+from elasticd.contract.generation import GenerationId, GenerationRecord, WorldView, renumber
 from elasticd.contract.settings import IN_PLACE
 from elasticd.inplace.loss import Loss
 from elasticd.probe import Liveness
-from elasticd.rendezvous.companion import Judgement, PeerRecord, judge
+from elasticd.rendezvous.companion import Judgement, PeerRecord, Seen, plan
 from elasticd.supervisor import Memory, PeerView, Phase, Policy, Snapshot, decide
 
 ME = "a"
@@ -165,15 +165,24 @@ def _record(node: str, suspects: str, world: tuple[str, ...]) -> PeerRecord:
 
 
 class TestCompanionPath(LossContract):
+    """The companion's decision as its loop takes it: ``plan`` over one snapshot a tick
+    (the verdicts of ``judge``, then the actions), the loss being its SHRINK action's."""
+
     def verdict(self, ticks: list[Tick], world: tuple[str, ...]) -> Loss | None:
+        # The workers' generation names the world (what the companion last handed over).
+        adopted = GenerationRecord(G, renumber([(n, 1) for n in world]), "127.0.0.1:8")
+        mine = _record(ME, "", world)
         known: dict[str, PeerRecord] = {}
-        judgement = Judgement()
+        judgement, published = Judgement(), mine
         for tick in ticks:
             known.update({n: _record(n, s, world) for n, s in tick.records.items()})
-            answers = {n: Liveness(a) for n, a in tick.answers.items()}
-            judgement = judge(ME, known, tick.records, answers, world, False, judgement,
-                              tick.at, SILENT_SUSPECT_S)
-            if judgement.loss is not None:
-                return judgement.loss
+            seen = Seen(reported=G, finished=False, completed=False, world=mine.world,
+                        known=dict(known), present=frozenset(tick.records),
+                        answers={n: Liveness(a) for n, a in tick.answers.items()},
+                        agreed=None, now=tick.at)
+            step = plan(ME, seen, mine, published, adopted, judgement, SILENT_SUSPECT_S)
+            judgement, mine, published = step.judgement, step.mine, step.mine
+            shrink = [a for a in step.actions if a.kind is Kind.SHRINK]
+            if shrink:
+                return shrink[0]["loss"]
         return None
-
