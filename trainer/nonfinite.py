@@ -37,9 +37,9 @@ from dataclasses import asdict, dataclass
 import structlog
 import torch
 
+from elasticd.contract.files import write_atomic
 from trainer.errors import TrainingDiverged
 from trainer.fitness import NodeUnfit, PeerUnfit, Report, gather
-from trainer.progress import write_atomic
 
 log = structlog.get_logger(__name__)
 

@@ -11,13 +11,13 @@ structlog line every ``log_every`` steps and on every other event.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 import structlog
 
+from elasticd.contract.files import write_atomic
 from elasticd.contract.progress import EVENTS, WORKING
 from trainer.context import ElasticContext
 
@@ -27,16 +27,6 @@ log = structlog.get_logger(__name__)
 # status and crash-loop check, the benchmarks' recovery clocks) need a few rewrites a
 # second and the first step after each event, not a rewrite per step.
 FILE_INTERVAL_S = 0.25
-
-
-
-
-def write_atomic(path: str, text: str) -> None:
-    """Replace ``path`` with ``text`` so that a reader sees the old or the new file, whole."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 class ProgressReporter:

@@ -7,5 +7,6 @@ nothing else of ``elasticd`` (``tests/test_layers.py`` checks it).
 * ``generation``: a generation ``(epoch, round, seq)``, its record and the one file format
   the daemon hands to the workers;
 * ``progress``: the workers' progress record, its event names and schema;
-* ``pids``: whether a process is alive.
+* ``pids``: whether a process is alive;
+* ``files``: how the files both sides exchange are written (replaced whole).
 """

@@ -29,7 +29,6 @@ from elasticd.rendezvous.keys import JobKeys
 log = structlog.get_logger(__name__)
 
 
-
 @dataclass(frozen=True)
 class ShrinkOutcome:
     """What one agreement did (``shrink_world``).

@@ -8,15 +8,11 @@ under plain torchrun. The workers poll the file (``generation.read_file``, from
 
 from __future__ import annotations
 
-import os
-
+from elasticd.contract.files import write_atomic
 from elasticd.contract.generation import GenerationRecord
 
 
 def hand_over(path: str, record: GenerationRecord) -> None:
     """Replace the workers' file atomically (a reader sees the old or the new record);
     raises ``OSError`` when it cannot (the workers then never see this generation)."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(record.to_json())
-    os.replace(tmp, path)
+    write_atomic(path, record.to_json())

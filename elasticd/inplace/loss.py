@@ -25,8 +25,11 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
-# A probe's answer (``probe.Liveness``'s values), and how a lost peer went.
-ALIVE, REFUSED, SILENT = "alive", "refused", "silent"
+from elasticd.probe import Liveness
+
+# A probe's answer (``probe.Liveness``'s values, the rules' plain strings), and how a lost
+# peer went.
+ALIVE, REFUSED, SILENT = Liveness.ALIVE.value, Liveness.REFUSED.value, Liveness.SILENT.value
 LEFT, CRASHED = "left", "crashed"
 
 

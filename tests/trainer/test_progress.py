@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from elasticd.contract.files import write_atomic
 from trainer.context import ElasticContext
-from trainer.progress import ProgressReporter, write_atomic
+from trainer.progress import ProgressReporter
 
 KEYS = {"step", "world_size", "rank", "lr", "loss", "time", "restart_count", "run_id", "event"}
 
