@@ -121,12 +121,28 @@ class Launch:
 
 
 def json_lines(text: str) -> list[dict]:
+    """The JSON lines of a shared log. A record that another writer's output split (a line
+    that holds a progress record after other text) fails loudly: the tests count records,
+    and a dropped one would read as a lost step."""
     out = []
     for line in text.splitlines():
         if line.startswith("{"):
             with contextlib.suppress(ValueError):
                 out.append(json.loads(line))
+        elif _holds_a_record(line):
+            raise AssertionError(f"a log line was interleaved by another writer: {line!r}")
     return out
+
+
+def _holds_a_record(line: str) -> bool:
+    start = line.find('{"')
+    if start < 0:
+        return False
+    try:
+        rec = json.loads(line[start:])
+    except ValueError:
+        return False
+    return isinstance(rec, dict) and (rec.get("kind") == "progress" or "exit_code" in rec)
 
 
 def _is_worker(proc: psutil.Process, script: str) -> bool:

@@ -45,7 +45,9 @@ def main() -> None:
                 scheduler.step()
                 state.step_done(loss)
                 time.sleep(args.step_sleep)
-            print(f"epoch {epoch} done", flush=True)
+            # One write() for the whole line: print() writes the newline separately, and
+            # the ranks share one log, where a peer's JSON line could land between the two.
+            print(f"epoch {epoch} done\n", end="", flush=True)
 
     exit_worker(state.run(train))
 
