@@ -23,6 +23,8 @@ def configure_logging(level: str = "INFO", json: bool | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write() per line (PrintLogger writes the newline separately): the daemon's
+        # stderr is shared with library logging and, under torchrun, with other processes.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
