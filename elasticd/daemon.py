@@ -154,7 +154,7 @@ class Daemon:
             self._shutdown()
         if self.memory.phase is Phase.FAILED:
             return FAILED_EXIT_CODE
-        return 1 if self.memory.hard_stop else 0
+        return 1 if self.memory.life.hard_stop else 0
 
     def _connect(self) -> None:
         self.client = EtcdClient(self.config.etcd.settings(retry_s=30.0))
@@ -317,8 +317,8 @@ class Daemon:
         if self.progress.progress.world_size is not None:
             self.metrics.world_size.set(self.progress.progress.world_size)
         m = self.metrics
-        if self.memory.intervals:
-            m.steps_per_second.set(1.0 / max(statistics.median(self.memory.intervals), 1e-6))
+        if self.memory.life.intervals:
+            m.steps_per_second.set(1.0 / max(statistics.median(self.memory.life.intervals), 1e-6))
         if self.jobs.view.round is not None:
             m.rendezvous_round.set(self.jobs.view.round)
         while self.jobs.round_trips:
@@ -538,7 +538,7 @@ class Daemon:
 
     def _shutdown(self) -> None:
         self._stop.set()
-        grace = 0.0 if self.memory.hard_stop else 5.0
+        grace = 0.0 if self.memory.life.hard_stop else 5.0
         if self.agent is not None and self.agent.running():
             self.agent.terminate(grace_s=grace)
             with deadline(CYCLE_DEADLINE_S):
@@ -557,7 +557,7 @@ class Daemon:
         with deadline(CYCLE_DEADLINE_S):
             self.membership.leave()
         self.client.close()
-        self.log.info("daemon stopped", phase=self.memory.phase.value, hard=self.memory.hard_stop,
+        self.log.info("daemon stopped", phase=self.memory.phase.value, hard=self.memory.life.hard_stop,
                       **self.last_words())
 
     def last_words(self) -> dict[str, str]:

@@ -45,7 +45,7 @@ POLICY = Policy(backoff_initial_s=1.0, backoff_max_s=8.0, crash_loop_failures=3,
 T = 1000.0
 AGENT = 4242
 W = frozenset({11, 12})
-RUNNING = Memory(phase=Phase.RUNNING, workers=W, agent_pid=AGENT)
+RUNNING = Memory.of(phase=Phase.RUNNING, workers=W, agent_pid=AGENT)
 B = PeerView("b", "running", ("127.0.0.1", 77), 5, "127.0.0.1:9")
 
 
@@ -68,7 +68,7 @@ def d(s: Snapshot, m: Memory = RUNNING, policy: Policy = POLICY):
 # -- start, exit, backoff, crash loop ---------------------------------------------------
 
 def test_idle_starts_the_agent_and_reports_ready_once():
-    out = d(snap(), Memory())
+    out = d(snap(), Memory.of())
     assert out.phase is Phase.RUNNING
     assert out.kinds() == [Kind.START_AGENT, Kind.NOTIFY]
     assert out.reason == "starting the torchrun agent"
@@ -89,9 +89,9 @@ def test_agent_exit_zero_records_completion():
 
 def test_agent_failure_backs_off_exponentially():
     first = d(snap(agent_pid=AGENT, agent_exit=1))
-    assert first.phase is Phase.BACKOFF and first.memory.restart_at == T + 1.0
-    second = d(snap(agent_pid=AGENT, agent_exit=1), replace(RUNNING, failures=(990.0,)))
-    assert second.memory.restart_at == T + 2.0
+    assert first.phase is Phase.BACKOFF and first.memory.life.restart_at == T + 1.0
+    second = d(snap(agent_pid=AGENT, agent_exit=1), RUNNING.but(failures=(990.0,)))
+    assert second.memory.life.restart_at == T + 2.0
     assert "failure 2 of 3" in second.reason
 
 
@@ -103,31 +103,31 @@ def test_an_exit_is_handled_once():
 
 def test_backoff_is_capped():
     policy = replace(POLICY, backoff_max_s=3.0, crash_loop_failures=10)
-    out = d(snap(agent_pid=AGENT, agent_exit=1), replace(RUNNING, failures=(995.0,) * 5), policy)
-    assert out.memory.restart_at == T + 3.0
+    out = d(snap(agent_pid=AGENT, agent_exit=1), RUNNING.but(failures=(995.0,) * 5), policy)
+    assert out.memory.life.restart_at == T + 3.0
 
 
 def test_backoff_waits_until_its_delay_is_over():
-    waiting = Memory(phase=Phase.BACKOFF, restart_at=T + 1, exit_handled=True, ready_sent=True)
+    waiting = Memory.of(phase=Phase.BACKOFF, restart_at=T + 1, exit_handled=True, ready_sent=True)
     assert d(snap(agent_pid=AGENT, agent_exit=1), waiting).actions == ()
     out = d(snap(now=T + 1, agent_pid=AGENT, agent_exit=1), waiting)
     assert (out.kinds(), out.reason) == ([Kind.START_AGENT], "restarting the torchrun agent")
 
 
 def test_crash_loop_marks_the_node_failed():
-    out = d(snap(agent_pid=AGENT, agent_exit=1), replace(RUNNING, failures=(950.0, 990.0)))
+    out = d(snap(agent_pid=AGENT, agent_exit=1), RUNNING.but(failures=(950.0, 990.0)))
     assert out.phase is Phase.FAILED
     assert "failed 3 times without progress" in out.reason
     assert out.actions[0].kind is Kind.PUBLISH and out.actions[0]["fields"]["state"] == "failed"
 
 
 def test_old_failures_outside_the_window_do_not_count():
-    out = d(snap(agent_pid=AGENT, agent_exit=1), replace(RUNNING, failures=(100.0, 200.0)))
+    out = d(snap(agent_pid=AGENT, agent_exit=1), RUNNING.but(failures=(100.0, 200.0)))
     assert out.phase is Phase.BACKOFF
 
 
 def test_worker_crash_loop_while_running_marks_failed():
-    out = d(live(), replace(RUNNING, failures=(950.0, 980.0, 990.0)))
+    out = d(live(), RUNNING.but(failures=(950.0, 980.0, 990.0)))
     assert out.phase is Phase.FAILED
     assert "the workers crashed 3 times without progress" in out.reason
 
@@ -139,42 +139,42 @@ def test_a_node_marked_failed_says_its_workers_last_error_in_the_sentence_record
     error = "RuntimeError: Distributed package doesn't have NCCL built in"
     s = (snap(agent_pid=AGENT, agent_exit=1, worker_error=error) if failing == "agent"
          else live(worker_error=error))
-    out = d(s, replace(RUNNING, failures=(950.0, 980.0, 990.0)))
+    out = d(s, RUNNING.but(failures=(950.0, 980.0, 990.0)))
     assert out.phase is Phase.FAILED and out.reason.endswith(f"; the workers' last error: {error}")
     publish, journal = out.actions
     assert publish["fields"]["reason"] == out.reason
     assert journal["event"] == "node-failed" and journal["fields"]["last_error"] == error
-    plain = d(replace(s, worker_error=None), replace(RUNNING, failures=(950.0, 980.0, 990.0)))
+    plain = d(replace(s, worker_error=None), RUNNING.but(failures=(950.0, 980.0, 990.0)))
     assert plain.reason.endswith("marking this node failed")
     assert "last_error" not in plain.actions[1]["fields"]
 
 
 def test_worker_crashes_below_the_budget_are_tolerated():
-    assert d(live(), replace(RUNNING, failures=(980.0, 990.0))).phase is Phase.RUNNING
+    assert d(live(), RUNNING.but(failures=(980.0, 990.0))).phase is Phase.RUNNING
 
 
 def test_progress_past_the_last_failures_high_water_mark_clears_the_crash_count():
-    mem = replace(RUNNING, failures=(990.0,), high_water=10, failed_at_mark=10, step=10)
+    mem = RUNNING.but(failures=(990.0,), high_water=10, failed_at_mark=10, step=10)
     out = d(live(step=11), mem)
-    assert out.memory.failures == () and "crash count is reset" in out.reason
-    assert out.memory.high_water == 11
-    assert d(live(step=10), replace(mem, step=9)).memory.failures == (990.0,)
+    assert out.memory.life.failures == () and "crash count is reset" in out.reason
+    assert out.memory.life.high_water == 11
+    assert d(live(step=10), mem.but(step=9)).memory.life.failures == (990.0,)
 
 
 def test_steps_redone_after_a_resume_do_not_clear_the_crash_count():
     # A restart resumed the checkpoint of step 1100 after a failure at 1240: steps up
     # to 1240 are redone ground, not progress (the goodput run's diverging job cleared
     # its count on every resume and restarted 18 times).
-    mem = replace(RUNNING, failures=(990.0,), high_water=1240, failed_at_mark=1240, step=1100)
+    mem = RUNNING.but(failures=(990.0,), high_water=1240, failed_at_mark=1240, step=1100)
     out = d(live(step=1230), mem)
-    assert out.memory.failures == (990.0,) and "reset" not in out.reason
-    assert out.memory.high_water == 1240
+    assert out.memory.life.failures == (990.0,) and "reset" not in out.reason
+    assert out.memory.life.high_water == 1240
 
 
 def test_a_crash_loop_at_the_same_step_ends_in_failed():
     """Fail at step 40, resume from 20, step to 40, fail again: the budget's last marks FAILED."""
     budget, now = POLICY.crash_loop_failures, T
-    started = d(snap(step=0), Memory())   # the agent starts at step 0 ...
+    started = d(snap(step=0), Memory.of())   # the agent starts at step 0 ...
     assert started.kinds()[0] is Kind.START_AGENT
     mem = d(live(step=0), started.memory).memory
     for step in (20, 40):                 # ... and its first workers reach step 40
@@ -182,7 +182,7 @@ def test_a_crash_loop_at_the_same_step_ends_in_failed():
     for count in range(1, budget + 1):
         out = d(live(now=now, step=20, workers=frozenset({100 + count})), mem)
         mem = out.memory
-        assert len(mem.failures) == count and mem.failed_at_mark == 40
+        assert len(mem.life.failures) == count and mem.life.failed_at_mark == 40
         if count == budget:
             break
         for step in (30, 40):
@@ -208,7 +208,7 @@ def test_restart_cause_tells_membership_from_crash(now, changed, event, cause):
 
 def test_a_new_worker_group_after_a_crash_counts_a_failure():
     out = d(live(workers=frozenset({21})))
-    assert out.memory.failures == (T,)
+    assert out.memory.life.failures == (T,)
     assert out.reason == "the agent restarted its workers after a crash"
     journal = out.actions[0]
     assert (journal.kind, journal["fields"]) == (Kind.JOURNAL, {"cause": "crash"})
@@ -220,24 +220,24 @@ def test_a_worker_group_torch_restarted_without_counting_it_is_a_membership_rest
     restarted the workers for the bigger round, and with no record of ours saying a peer
     joined, both daemons counted a crash. torch's TORCHELASTIC_RESTART_COUNT is the
     verdict: it grows for a failure only."""
-    counted = replace(RUNNING, workers_restart_count=0)
+    counted = RUNNING.but(workers_restart_count=0)
     out = d(live(workers=frozenset({21}), workers_restart_count=0), counted)
-    assert out.memory.failures == () and out.reason.endswith("after a membership")
-    assert out.memory.workers_restart_count == 0
+    assert out.memory.life.failures == () and out.reason.endswith("after a membership")
+    assert out.memory.life.workers_restart_count == 0
     crash = d(live(workers=frozenset({21}), workers_restart_count=1), counted)
-    assert crash.memory.failures == (T,) and crash.reason.endswith("after a crash")
+    assert crash.memory.life.failures == (T,) and crash.reason.endswith("after a crash")
     unread = d(live(workers=frozenset({21}), workers_restart_count=None), counted)
-    assert unread.memory.failures == (T,)   # no verdict read: the other signals decide
+    assert unread.memory.life.failures == (T,)   # no verdict read: the other signals decide
 
 
 def test_a_new_worker_group_after_a_membership_change_is_not_a_failure():
-    out = d(live(workers=frozenset({21})), replace(RUNNING, membership_changed_at=T - 3))
-    assert out.memory.failures == () and "after a membership" in out.reason
+    out = d(live(workers=frozenset({21})), RUNNING.but(membership_changed_at=T - 3))
+    assert out.memory.life.failures == () and "after a membership" in out.reason
 
 
 def test_the_first_worker_group_of_an_agent_is_not_a_restart():
-    out = d(live(), replace(RUNNING, workers=frozenset()))
-    assert out.actions == () and out.memory.workers == W
+    out = d(live(), RUNNING.but(workers=frozenset()))
+    assert out.actions == () and out.memory.life.workers == W
 
 
 # -- peers: refused, vanished, confirmed, evicted, killed -------------------------------
@@ -250,7 +250,7 @@ def test_a_refused_probe_is_a_suspicion_published_in_the_record_not_a_death():
     out = d(live(node_id="a", peers=PEERS, refused=(B,)))
     assert [(a.kind, a["fields"]) for a in out.actions] == [(Kind.PUBLISH, {"suspects": ["b"]})]
     assert out.reason == "peer b refused its liveness probe"
-    assert not out.memory.dead and out.memory.suspicions["b"] == ("crashed", T)
+    assert not out.memory.peer.dead and out.memory.peer.suspicions["b"] == ("crashed", T)
     again = d(live(node_id="a", now=T + 0.5, peers=PEERS, refused=(B,)), out.memory)
     assert again.actions == ()                       # published once
 
@@ -259,7 +259,7 @@ def test_a_peer_a_majority_suspects_is_condemned_once():
     mine = d(live(node_id="a", peers=PEERS, refused=(B,))).memory
     c_too = {"b": B, "c": replace(C, suspects=frozenset({"b"}))}
     out = d(live(node_id="a", now=T + 0.1, peers=c_too), mine)
-    assert out.kinds()[0] is Kind.EVICT and out.memory.evicting["b"].how == "crashed"
+    assert out.kinds()[0] is Kind.EVICT and out.memory.peer.evicting["b"].how == "crashed"
     assert "a majority of the members suspect peer b" in out.reason
     later = d(live(node_id="a", now=T + 0.2, peers=c_too), out.memory)
     assert Kind.EVICT not in later.kinds()
@@ -277,10 +277,10 @@ def _condemn_b() -> Memory:
 
 def test_a_verdict_holds_while_the_record_names_the_condemned_agent():
     mem = _condemn_b()
-    assert mem.condemned == {"b": B.agent}
+    assert mem.peer.condemned == {"b": B.agent}
     # The probes answer again (a dropped link healed) but the record is the old one.
     again = d(live(node_id="a", now=T + 1, peers=PEERS, probe_answers={"b": "alive"}), mem)
-    assert again.memory.condemned == {"b": B.agent} and Kind.EVICT not in again.kinds()
+    assert again.memory.peer.condemned == {"b": B.agent} and Kind.EVICT not in again.kinds()
 
 
 def test_a_condemned_node_restarted_before_its_lease_ran_out_is_a_new_member():
@@ -293,26 +293,26 @@ def test_a_condemned_node_restarted_before_its_lease_ran_out_is_a_new_member():
     # Still suspected (no answer from its new daemon yet): held, and not a second death.
     suspected = {"b": back, "c": replace(C, suspects=frozenset({"b"}))}
     held = d(live(node_id="a", now=T + 1, peers=suspected), mem)
-    assert held.memory.condemned == {"b": B.agent} and Kind.EVICT not in held.kinds()
+    assert held.memory.peer.condemned == {"b": B.agent} and Kind.EVICT not in held.kinds()
     # Its new agent is live all the same: a round naming it is not broken.
     s = _forming(now=T + 1, members=(MINE, back.agent), peers={"b": back})
     assert gone_members(s, held.memory) == frozenset()
     # It answers: the verdict is lifted.
     answered = d(live(node_id="a", now=T + 2, peers={"b": back, "c": C},
                       probe_answers={"b": "alive"}), held.memory)
-    assert answered.memory.condemned == {} and answered.memory.suspicions == {}
+    assert answered.memory.peer.condemned == {} and answered.memory.peer.suspicions == {}
     # Crashed again (the first eviction long done), it is condemned again.
     again = d(live(node_id="a", now=T + 3, peers={"b": back, "c": C}, refused=(back,)),
-              replace(answered.memory, evicting={}, dead={}))
+              answered.memory.but(evicting={}, dead={}))
     twice = d(live(node_id="a", now=T + 3.1, peers={"b": back, "c": replace(
         C, suspects=frozenset({"b"}))}), again.memory)
-    assert twice.memory.condemned == {"b": back.agent} and Kind.EVICT in twice.kinds()
+    assert twice.memory.peer.condemned == {"b": back.agent} and Kind.EVICT in twice.kinds()
     assert "a majority of the members suspect peer b" in twice.reason
 
 
 def test_a_minority_of_one_suspicion_condemns_nobody():
     out = d(live(node_id="a", peers=PEERS, refused=(B,)))
-    assert not out.memory.dead and out.memory.isolated_since is None
+    assert not out.memory.peer.dead and out.memory.peer.isolated_since is None
 
 
 def test_a_node_cut_off_from_the_majority_evicts_nobody_and_stops_its_workers():
@@ -322,10 +322,10 @@ def test_a_node_cut_off_from_the_majority_evicts_nobody_and_stops_its_workers():
     peers = {"a": a, "b": B}
     out = d(live(node_id="c", peers=peers, refused=(a, B)), RUNNING)
     assert Kind.EVICT not in out.kinds() and Kind.SHRINK not in out.kinds()
-    assert Kind.KILL_AGENT in out.kinds() and out.memory.isolated_since == T
+    assert Kind.KILL_AGENT in out.kinds() and out.memory.peer.isolated_since == T
     assert "cut off from the majority" in out.reason
     exited = d(live(node_id="c", now=T + 1, peers=peers, agent_exit=-9), out.memory)
-    assert exited.memory.failures == () and exited.phase is Phase.BACKOFF
+    assert exited.memory.life.failures == () and exited.phase is Phase.BACKOFF
     # torchrun killed that way can exit 0 (seen in a partition run): not the job's completion.
     zero = d(live(node_id="c", now=T + 1, peers=peers, agent_exit=0), out.memory)
     assert zero.phase is Phase.BACKOFF and Kind.MARK_COMPLETED not in zero.kinds()
@@ -334,27 +334,27 @@ def test_a_node_cut_off_from_the_majority_evicts_nobody_and_stops_its_workers():
     assert Kind.START_AGENT not in held.kinds()
     back = d(snap(node_id="c", now=T + 31, peers=peers, agent_pid=AGENT, agent_exit=-9,
                   probe_answers={"a": "alive", "b": "alive"}), held.memory)
-    assert back.memory.isolated_since is None and Kind.START_AGENT in back.kinds()
+    assert back.memory.peer.isolated_since is None and Kind.START_AGENT in back.kinds()
 
 
 def test_a_silent_peer_is_suspected_after_the_bound_and_an_answer_clears_it():
     p = replace(POLICY, silent_suspect_s=5.0)
     first = d(live(node_id="a", peers=PEERS, probe_answers={"b": "silent"}), RUNNING, p)
-    assert not first.memory.suspicions and first.memory.silent_since == {"b": T}
+    assert not first.memory.peer.suspicions and first.memory.peer.silent_since == {"b": T}
     later = d(live(node_id="a", now=T + 5, peers=PEERS, probe_answers={"b": "silent"}),
               first.memory, p)
-    assert later.memory.suspicions["b"][0] == "silent"
+    assert later.memory.peer.suspicions["b"][0] == "silent"
     assert "peer b has not answered its probes" in later.reason
     cleared = d(live(node_id="a", now=T + 6, peers=PEERS, probe_answers={"b": "alive"}),
                 later.memory, p)
-    assert not cleared.memory.suspicions and not cleared.memory.silent_since
+    assert not cleared.memory.peer.suspicions and not cleared.memory.peer.silent_since
     assert [(a.kind, a["fields"]) for a in cleared.actions] == [(Kind.PUBLISH, {"suspects": []})]
 
 
 def test_a_vanished_peer_is_confirmed_off_the_loop():
     out = d(live(departed=(B,)))
     assert out.kinds() == [Kind.CONFIRM_PEER]
-    assert "b" in out.memory.suspects and out.memory.membership_changed_at == T
+    assert "b" in out.memory.peer.suspects and out.memory.peer.membership_changed_at == T
 
 
 @pytest.mark.parametrize("answer, how", [("refused", "crashed"), ("silent", "silent")])
@@ -363,14 +363,14 @@ def test_a_confirmation_classifies_the_death_and_evicts(answer, how):
     out = d(live(now=T + 0.2, confirmations={"b": answer}), suspect)
     assert out.kinds()[:2] == [Kind.EVICT, Kind.JOURNAL]
     assert out.actions[1]["fields"] == {"peer": "b", "how": how}
-    assert out.memory.evicting["b"].how == how
+    assert out.memory.peer.evicting["b"].how == how
     assert out.reason.startswith("peer(s) b lost; evicting them")
 
 
 def test_a_vanished_peer_that_just_refused_its_probe_is_a_crash_at_once():
     refused = d(live(refused=(B,))).memory
     out = d(live(now=T + 0.3, departed=(B,)), refused)
-    assert out.kinds()[0] is Kind.EVICT and out.memory.evicting["b"].how == "crashed"
+    assert out.kinds()[0] is Kind.EVICT and out.memory.peer.evicting["b"].how == "crashed"
     stale = d(live(now=T + 2.5, departed=(B,)), refused)
     assert stale.kinds() == [Kind.CONFIRM_PEER]
 
@@ -386,7 +386,7 @@ def test_the_phase_decision_leads_the_sentence():
 def test_a_vanished_peer_that_answers_is_left_alone():
     suspect = d(live(departed=(B,))).memory
     out = d(live(now=T + 0.2, confirmations={"b": "alive"}), suspect)
-    assert out.actions == () and not out.memory.dead
+    assert out.actions == () and not out.memory.peer.dead
     assert "answers; waiting for it to re-register" in out.reason
 
 
@@ -394,52 +394,52 @@ def test_no_confirmation_within_the_timeout_means_silent():
     suspect = d(live(departed=(B,))).memory
     assert d(live(now=T + 1.0), suspect).actions == ()
     out = d(live(now=T + 1.5), suspect)
-    assert out.memory.evicting["b"].how == "silent"
+    assert out.memory.peer.evicting["b"].how == "silent"
 
 
 def test_a_peer_that_left_needs_no_confirmation():
     out = d(live(departed=(replace(B, state="leaving"),)))
-    assert out.kinds()[0] is Kind.EVICT and out.memory.evicting["b"].how == "left"
+    assert out.kinds()[0] is Kind.EVICT and out.memory.peer.evicting["b"].how == "left"
 
 
 def test_a_crashed_peer_in_our_round_gets_a_kill_grace():
-    mem = replace(RUNNING, evicting={"b": Death(B, "crashed", 1)})
+    mem = RUNNING.but(evicting={"b": Death(B, "crashed", 1)})
     out = d(live(eviction=Eviction(("b",), ok=True, in_round=True)), mem)
-    assert out.actions == () and (out.memory.kill_at, out.memory.kill_pids) == (T + 2.0, W)
+    assert out.actions == () and (out.memory.peer.kill_at, out.memory.peer.kill_pids) == (T + 2.0, W)
     assert d(live(now=T + 1.9), out.memory).actions == ()
     due = d(live(now=T + 2.0), out.memory)
     assert [(a.kind, a["pids"]) for a in due.actions] == [(Kind.KILL_WORKERS, W)]
-    assert due.memory.kill_at is None
+    assert due.memory.peer.kill_at is None
 
 
 def test_workers_that_failed_by_themselves_are_not_killed_after_the_grace():
-    mem = replace(RUNNING, kill_at=T, kill_pids=W)
+    mem = RUNNING.but(kill_at=T, kill_pids=W)
     out = d(live(workers=frozenset({31})), mem)
-    assert Kind.KILL_WORKERS not in out.kinds() and out.memory.kill_at is None
+    assert Kind.KILL_WORKERS not in out.kinds() and out.memory.peer.kill_at is None
 
 
 def test_a_silent_peer_in_our_round_kills_our_workers_now():
-    mem = replace(RUNNING, evicting={"b": Death(B, "silent", 1)})
+    mem = RUNNING.but(evicting={"b": Death(B, "silent", 1)})
     out = d(live(eviction=Eviction(("b",), ok=True, in_round=True)), mem)
     assert [(a.kind, a["pids"]) for a in out.actions] == [(Kind.KILL_WORKERS, W)]
 
 
 def test_a_peer_outside_our_round_kills_nothing():
-    mem = replace(RUNNING, evicting={"b": Death(B, "silent", 1)})
+    mem = RUNNING.but(evicting={"b": Death(B, "silent", 1)})
     out = d(live(eviction=Eviction(("b",), ok=True, in_round=False)), mem)
-    assert out.actions == () and out.memory.kill_at is None
+    assert out.actions == () and out.memory.peer.kill_at is None
 
 
 def test_another_daemon_evicted_first_so_the_record_decides():
-    mem = replace(RUNNING, evicting={"b": Death(B, "silent", 1)})
+    mem = RUNNING.but(evicting={"b": Death(B, "silent", 1)})
     out = d(live(eviction=Eviction(("b",), ok=True, in_round=None)), mem)
     assert out.kinds() == [Kind.KILL_WORKERS]
 
 
 def test_a_failed_eviction_is_retried_without_journaling_again():
-    mem = replace(RUNNING, evicting={"b": Death(B, "crashed", 1)})
+    mem = RUNNING.but(evicting={"b": Death(B, "crashed", 1)})
     out = d(live(eviction=Eviction(("b",), ok=False)), mem)
-    assert out.memory.dead["b"].attempts == 1 and out.memory.kill_at == T + 2.0
+    assert out.memory.peer.dead["b"].attempts == 1 and out.memory.peer.kill_at == T + 2.0
     assert d(live(now=T + 0.5), out.memory).kinds() == []
     retry = d(live(now=T + 1.0), out.memory)
     assert retry.kinds() == [Kind.EVICT]
@@ -447,27 +447,27 @@ def test_a_failed_eviction_is_retried_without_journaling_again():
 
 
 def test_a_retried_eviction_never_plans_a_second_kill():
-    mem = replace(RUNNING, evicting={"b": Death(B, "crashed", 2)})
+    mem = RUNNING.but(evicting={"b": Death(B, "crashed", 2)})
     out = d(live(eviction=Eviction(("b",), ok=True, in_round=True)), mem)
-    assert out.memory.kill_at is None and out.actions == ()
+    assert out.memory.peer.kill_at is None and out.actions == ()
 
 
 def test_dead_peer_while_backing_off_is_still_evicted():
-    mem = Memory(phase=Phase.BACKOFF, restart_at=T + 100, dead={"b": Death(B, "crashed")})
+    mem = Memory.of(phase=Phase.BACKOFF, restart_at=T + 100, dead={"b": Death(B, "crashed")})
     out = d(snap(), mem)
     assert out.kinds()[0] is Kind.EVICT and out.phase is Phase.BACKOFF
 
 
 def test_a_new_peer_is_a_membership_change():
     out = d(live(peers={"b": B}))
-    assert out.memory.membership_changed_at == T and out.memory.peers_seen == {"b"}
+    assert out.memory.peer.membership_changed_at == T and out.memory.peer.peers_seen == {"b"}
 
 
 # -- drain, notices, signals --------------------------------------------------------------
 
 def test_drain_request_starts_draining():
     out = d(live(drain_request="SIGTERM was received", stop_signals=1))
-    assert out.phase is Phase.DRAINING and out.memory.drain_deadline == T + 60.0
+    assert out.phase is Phase.DRAINING and out.memory.life.drain_deadline == T + 60.0
     assert out.kinds() == [Kind.PUBLISH, Kind.JOURNAL, Kind.NOTIFY, Kind.TOUCH_STOP_FILE,
                            Kind.TERMINATE_AGENT]
     assert out.actions[0]["fields"] == {"state": "leaving"}
@@ -480,26 +480,26 @@ def test_a_notice_deadline_shortens_the_drain_grace():
     assert drain_grace(T, POLICY, None) == 60.0
     assert drain_grace(T, POLICY, T + 2.0) == 1.0
     out = d(live(drain_request="a gce preemption notice arrived", notice_deadline=T + 30.0))
-    assert out.memory.drain_deadline == T + 25.0
+    assert out.memory.life.drain_deadline == T + 25.0
 
 
 def test_the_first_signal_after_a_notice_keeps_draining():
     draining = d(live(drain_request="a notice", notice_deadline=T + 30.0)).memory
     out = d(live(now=T + 1, drain_request="a notice", stop_signals=1), draining)
-    assert out.phase is Phase.DRAINING and not out.memory.hard_stop
+    assert out.phase is Phase.DRAINING and not out.memory.life.hard_stop
 
 
 def test_a_second_signal_is_a_hard_stop():
     draining = d(live(drain_request="SIGTERM was received", stop_signals=1)).memory
     out = d(live(now=T + 1, drain_request="SIGTERM was received", stop_signals=2), draining)
-    assert (out.phase, out.kinds(), out.memory.hard_stop) == (Phase.STOPPED, [Kind.KILL_AGENT], True)
+    assert (out.phase, out.kinds(), out.memory.life.hard_stop) == (Phase.STOPPED, [Kind.KILL_AGENT], True)
 
 
 def test_draining_leaves_the_rendezvous_once_the_workers_are_gone():
     draining = d(live(drain_request="x")).memory
     assert d(live(now=T + 1, drain_request="x"), draining).actions == ()
     out = d(live(now=T + 2, drain_request="x", workers=frozenset()), draining)
-    assert out.kinds() == [Kind.LEAVE_RENDEZVOUS] and out.memory.left_rdzv
+    assert out.kinds() == [Kind.LEAVE_RENDEZVOUS] and out.memory.life.left_rdzv
 
 
 def test_draining_kills_the_agent_when_the_grace_is_over():
@@ -509,11 +509,11 @@ def test_draining_kills_the_agent_when_the_grace_is_over():
 
 
 def test_draining_finishes_when_the_agent_is_gone():
-    draining = replace(d(live(drain_request="x")).memory, left_rdzv=True)
+    draining = d(live(drain_request="x")).memory.but(left_rdzv=True)
     out = d(snap(agent_pid=AGENT, agent_exit=75, drain_request="x", step=40), draining)
     assert out.phase is Phase.STOPPED
     assert out.kinds() == [Kind.JOURNAL, Kind.DELETE_DRAIN_KEY]
-    not_left = d(snap(agent_pid=AGENT, agent_exit=75, drain_request="x"), replace(draining, left_rdzv=False))
+    not_left = d(snap(agent_pid=AGENT, agent_exit=75, drain_request="x"), draining.but(left_rdzv=False))
     assert not_left.kinds()[0] is Kind.LEAVE_RENDEZVOUS
 
 
@@ -525,14 +525,14 @@ def test_drain_beats_an_agent_exit():
 # -- job completion, rendezvous closed ----------------------------------------------------
 
 def test_job_completed_elsewhere_and_no_agent_completes():
-    out = d(snap(job_state="completed"), Memory(phase=Phase.BACKOFF, restart_at=T + 100))
+    out = d(snap(job_state="completed"), Memory.of(phase=Phase.BACKOFF, restart_at=T + 100))
     assert (out.actions, out.phase) == ((), Phase.COMPLETED)
 
 
 def test_a_daemon_started_on_a_completed_job_starts_nothing():
     """What the last line of a completed job tells the operator (daemon.next_run_hint):
     the same job id again stops at once."""
-    out = d(snap(job_state="completed"), Memory())
+    out = d(snap(job_state="completed"), Memory.of())
     assert (out.actions, out.phase) == ((), Phase.COMPLETED)
     assert out.reason == "the job completed; nothing left to run"
 
@@ -544,7 +544,7 @@ def test_agent_failure_after_completion_elsewhere_is_not_a_failure():
 
 def test_agent_still_running_long_after_completion_is_stopped():
     first = d(live(job_state="completed"))
-    assert first.actions == () and first.memory.completed_seen_at == T
+    assert first.actions == () and first.memory.life.completed_seen_at == T
     out = d(live(now=T + 30, job_state="completed"), first.memory)
     assert (out.kinds(), out.phase) == ([Kind.KILL_AGENT], Phase.COMPLETED)
 
@@ -569,7 +569,7 @@ def test_a_closed_rendezvous_of_a_completed_job_stays_closed():
 
 @pytest.mark.parametrize("phase", [Phase.COMPLETED, Phase.FAILED, Phase.STOPPED])
 def test_final_phases_do_nothing(phase):
-    out = d(snap(agent_exit=1, departed=(B,), drain_request="x"), Memory(phase=phase))
+    out = d(snap(agent_exit=1, departed=(B,), drain_request="x"), Memory.of(phase=phase))
     assert (out.actions, out.phase) == ((), phase)
 
 
@@ -591,7 +591,7 @@ def test_hang_bound_is_derived_from_the_step_time_with_a_floor():
 
 
 def test_a_stalled_step_with_live_workers_is_a_hang():
-    stepping = d(live(step=5), replace(RUNNING, step=4, step_at=T - 0.1)).memory
+    stepping = d(live(step=5), RUNNING.but(step=4, step_at=T - 0.1)).memory
     assert d(live(now=T + 9.9, step=5), stepping).actions == ()
     out = d(live(now=T + 10, step=5), stepping)
     assert [(a.kind, a["pids"]) for a in out.actions[:1]] == [(Kind.KILL_WORKERS, W)]
@@ -601,34 +601,34 @@ def test_a_stalled_step_with_live_workers_is_a_hang():
 
 
 def test_no_hang_before_the_first_step_of_a_worker_group():
-    assert d(live(now=T + 1000, step=5), replace(RUNNING, step=5, step_at=None)).actions == ()
+    assert d(live(now=T + 1000, step=5), RUNNING.but(step=5, step_at=None)).actions == ()
 
 
 def test_a_stall_explained_by_a_lost_peer_is_not_a_hang():
-    mem = replace(RUNNING, step=5, step_at=T - 100, suspects={"b": (B, T)})
+    mem = RUNNING.but(step=5, step_at=T - 100, suspects={"b": (B, T)})
     assert Kind.KILL_WORKERS not in d(live(step=5), mem).kinds()
 
 
 def test_a_new_worker_group_disarms_the_hang_timer():
-    mem = replace(RUNNING, step=5, step_at=T - 100)
+    mem = RUNNING.but(step=5, step_at=T - 100)
     out = d(live(step=5, workers=frozenset({41})), mem)
-    assert out.memory.step_at is None and Kind.KILL_WORKERS not in out.kinds()
+    assert out.memory.life.step_at is None and Kind.KILL_WORKERS not in out.kinds()
 
 
 # -- recovery timing ----------------------------------------------------------------------------
 
 def test_a_recovery_is_timed_from_the_eviction_to_the_next_completed_step():
-    mem = replace(RUNNING, dead={"b": Death(B, "crashed")}, step=7)
+    mem = RUNNING.but(dead={"b": Death(B, "crashed")}, step=7)
     evicting = d(live(step=7), mem).memory
-    assert evicting.recovering == ("peer-crashed", T)
+    assert evicting.life.recovering == ("peer-crashed", T)
     restarted = d(live(now=T + 2, step=7, workers=frozenset({51})), evicting).memory
-    assert restarted.failures == ()                        # a membership restart, not a crash
+    assert restarted.life.failures == ()                        # a membership restart, not a crash
     resumed = d(live(now=T + 3, step=7, progress_event="resumed", workers=frozenset({51})), restarted)
     assert Kind.OBSERVE not in resumed.kinds()            # resumed is not a completed step
     out = d(live(now=T + 4.5, step=8, progress_event="step", workers=frozenset({51})), resumed.memory)
     observe = next(a for a in out.actions if a.kind is Kind.OBSERVE)
     assert (observe["label"], observe["value"]) == ("peer-crashed", 4.5)
-    assert out.memory.recovering is None and "resumed 4.5 s after a peer-crashed" in out.reason
+    assert out.memory.life.recovering is None and "resumed 4.5 s after a peer-crashed" in out.reason
 
 
 def test_the_action_table_covers_every_kind():
@@ -664,7 +664,7 @@ REC_WITHOUT_US = GenerationRecord(G1, renumber([("b", 2)]), "127.0.0.1:29601", (
 def lost_b(how: str = "crashed", **kw):
     """The decision that peer b died, with our workers stepping at generation G."""
     kw.setdefault("generation", G)
-    return d(live(**kw), replace(RUNNING, dead={"b": Death(B, how)}, step_at=T - 0.5), INPLACE)
+    return d(live(**kw), RUNNING.but(dead={"b": Death(B, how)}, step_at=T - 0.5), INPLACE)
 
 
 def agreed(how: str = "crashed") -> Memory:
@@ -680,7 +680,7 @@ def test_in_place_a_dead_peer_is_evicted_and_shrunk_not_killed():
     shrink = out.actions[3]
     assert (shrink["lost"], shrink["cause"], shrink["generation"]) == (("b",), "peer-crashed", G)
     assert shrink["peers"] == (B,) and "re-forming the world in place" in out.reason
-    assert out.memory.in_place == InPlace(("b",), T, G, "peer-crashed")
+    assert out.memory.reform.in_place == InPlace(("b",), T, G, "peer-crashed")
 
 
 def test_in_place_workers_restarted_in_the_same_cycle_take_the_restart_path():
@@ -688,34 +688,34 @@ def test_in_place_workers_restarted_in_the_same_cycle_take_the_restart_path():
     the leaver was found gone; their progress still named the old group's generation, the
     re-form's timer killed the new group mid-start and 6 steps were lost."""
     new_group = frozenset({4242})
-    mem = replace(RUNNING, dead={"b": Death(B, "left")}, step_at=T - 0.5, step=44)
+    mem = RUNNING.but(dead={"b": Death(B, "left")}, step_at=T - 0.5, step=44)
     out = d(live(generation=G, workers=new_group, step=44), mem, INPLACE)
     assert "the agent restarted its workers" in out.reason
-    assert Kind.SHRINK not in out.kinds() and out.memory.in_place is None
+    assert Kind.SHRINK not in out.kinds() and out.memory.reform.in_place is None
     assert "restarting the local workers (they have not stepped" in out.reason
     later = d(live(now=T + 8, generation=G, workers=new_group, step=44), out.memory, INPLACE)
     assert Kind.KILL_WORKERS not in later.kinds()  # no re-form timer to run out
 
 
 def test_restart_mode_never_shrinks():
-    out = d(live(generation=G), replace(RUNNING, dead={"b": Death(B, "crashed")}), POLICY)
-    assert Kind.SHRINK not in out.kinds() and out.memory.in_place is None
+    out = d(live(generation=G), RUNNING.but(dead={"b": Death(B, "crashed")}), POLICY)
+    assert Kind.SHRINK not in out.kinds() and out.memory.reform.in_place is None
 
 
 def test_in_place_workers_without_a_generation_take_the_restart_path():
     out = lost_b(generation=None)
-    assert Kind.SHRINK not in out.kinds() and out.memory.in_place is None
+    assert Kind.SHRINK not in out.kinds() and out.memory.reform.in_place is None
     fallback = [a for a in out.actions if a.kind is Kind.JOURNAL and a["event"] == "in-place-fallback"]
     assert fallback[0]["fields"]["reason"] == "the workers report no generation"
     planned = d(live(now=T + 0.1, eviction=Eviction(("b",), ok=True, in_round=True)), out.memory, INPLACE)
-    assert planned.memory.kill_at == T + 0.1 + 2.0
+    assert planned.memory.peer.kill_at == T + 0.1 + 2.0
 
 
 @pytest.mark.parametrize("how", ["crashed", "silent"])
 def test_an_agreed_shrink_plans_no_kill(how):
     mem = agreed(how)
-    assert mem.in_place.agreed and mem.generation_handed == G1
-    assert mem.kill_at is None
+    assert mem.reform.in_place.agreed and mem.reform.generation_handed == G1
+    assert mem.peer.kill_at is None
     out = d(live(now=T + 3, generation=G), mem, INPLACE)
     assert Kind.KILL_WORKERS not in out.kinds()
 
@@ -725,27 +725,27 @@ def test_a_failed_shrink_falls_back_to_the_restart_kill():
                  shrink=ShrinkOutcome(("b",), "failed", reason="no store")), lost_b("silent").memory,
             INPLACE)
     assert out.kinds() == [Kind.JOURNAL, Kind.COUNT, Kind.KILL_WORKERS]
-    assert out.actions[0]["fields"]["reason"] == "no store" and out.memory.in_place is None
+    assert out.actions[0]["fields"]["reason"] == "no store" and out.memory.reform.in_place is None
     crashed = d(live(now=T + 0.1, generation=G, eviction=Eviction(("b",), ok=True, in_round=True),
                      shrink=ShrinkOutcome(("b",), "failed", reason="x")), lost_b().memory, INPLACE)
-    assert crashed.memory.kill_at == T + 0.1 + 2.0
+    assert crashed.memory.peer.kill_at == T + 0.1 + 2.0
 
 
 def test_a_shrink_that_fences_us_out_kills_our_workers():
     out = d(live(now=T + 0.1, generation=G, shrink=ShrinkOutcome(("b",), "fenced", REC_WITHOUT_US)),
             lost_b().memory, INPLACE)
     assert out.kinds()[0] is Kind.KILL_WORKERS and "without this node" in out.reason
-    assert out.memory.in_place is None
+    assert out.memory.reform.in_place is None
 
 
 def test_an_unneeded_shrink_ends_quietly():
     out = d(live(now=T + 0.1, generation=G, shrink=ShrinkOutcome(("b",), "unneeded")),
             lost_b().memory, INPLACE)
-    assert out.actions == () and out.memory.in_place is None
+    assert out.actions == () and out.memory.reform.in_place is None
 
 
 def test_the_reformed_report_is_one_recovered_in_place_event():
-    mem = replace(agreed(), recovering=("peer-crashed", T), journaled_at=T)
+    mem = agreed().but(recovering=("peer-crashed", T), journaled_at=T)
     out = d(live(now=T + 1.5, generation=G1, step=41, progress_event="reformed", rank0_here=True,
                  world=WorldView("a", G1, 0, 2, 2),
                  reform=Reform("reformed", duration_s=0.8, from_world_size=4, cause="peer-crashed")),
@@ -757,7 +757,7 @@ def test_the_reformed_report_is_one_recovered_in_place_event():
                                     "lost": ["b"]}
     assert [(a.kind, a["label"]) for a in out.actions if a.kind in (Kind.OBSERVE, Kind.COUNT)] == \
         [(Kind.OBSERVE, "in-place"), (Kind.COUNT, "ok")]
-    assert out.memory.in_place is None and out.memory.recovering is None
+    assert out.memory.reform.in_place is None and out.memory.life.recovering is None
     assert "re-formed in place as generation 3.1 1.5 s" in out.reason
     # The next step is not a second (generic) recovery.
     later = d(live(now=T + 1.6, generation=G1, step=42, progress_event="step"), out.memory, INPLACE)
@@ -772,20 +772,20 @@ def test_an_eviction_outcome_after_the_re_form_plans_no_kill():
     done = d(live(now=T + 0.1, generation=G1, step=41, progress_event="reformed",
                   world=WorldView("a", G1, 0, 2, 2), reform=Reform("reformed", duration_s=0.02)),
              shrunk.memory, INPLACE)
-    assert done.memory.in_place is None and done.memory.reformed_without == {"b"}
+    assert done.memory.reform.in_place is None and done.memory.reform.reformed_without == {"b"}
     late = d(live(now=T + 0.2, generation=G1, eviction=Eviction(("b",), ok=True, in_round=True)),
              done.memory, INPLACE)
-    assert late.memory.kill_at is None and Kind.KILL_WORKERS not in late.kinds()
+    assert late.memory.peer.kill_at is None and Kind.KILL_WORKERS not in late.kinds()
 
 
 def test_a_peer_lost_again_after_a_restart_is_not_taken_as_already_re_formed():
     """Issue 29 finding 6: ``reformed_without`` only grew. b was re-formed out, came back
     (a new round: a new worker group), then went silent before the group's first step:
     our workers, hung on it, must be killed, not left to the collective timeout."""
-    done = replace(RUNNING, reformed_without=frozenset({"b"}))
+    done = RUNNING.but(reformed_without=frozenset({"b"}))
     regrouped = d(live(now=T + 30, workers=frozenset({31, 32}), generation=G), done, INPLACE)
-    assert regrouped.memory.reformed_without == frozenset()
-    mem = replace(regrouped.memory, evicting={"b": Death(B, "silent", 1)})
+    assert regrouped.memory.reform.reformed_without == frozenset()
+    mem = regrouped.memory.but(evicting={"b": Death(B, "silent", 1)})
     out = d(live(now=T + 31, workers=frozenset({31, 32}), generation=G,
                  eviction=Eviction(("b",), ok=True, in_round=True)), mem, INPLACE)
     assert [(a.kind, a["pids"]) for a in out.actions] == [(Kind.KILL_WORKERS, frozenset({31, 32}))]
@@ -793,7 +793,7 @@ def test_a_peer_lost_again_after_a_restart_is_not_taken_as_already_re_formed():
 
 def test_a_missed_reformed_record_still_counts_once_by_the_generation():
     out = d(live(now=T + 2, generation=G1, step=42, progress_event="step", rank0_here=True),
-            replace(agreed(), journaled_at=T), INPLACE)
+            agreed().but(journaled_at=T), INPLACE)
     assert [a["event"] for a in out.actions if a.kind is Kind.JOURNAL] == ["recovered-in-place"]
 
 
@@ -806,7 +806,7 @@ def test_reform_failed_is_one_fallback_and_the_restart_is_a_membership_one():
     assert failed.actions[0]["fields"]["duration_s"] == 1.2
     assert (failed.actions[1]["metric"], failed.actions[1]["label"]) == ("in_place_recoveries", "fallback")
     restarted = d(live(now=T + 5, workers=frozenset({31, 32}), rank0_here=True),
-                  replace(failed.memory, journaled_at=T), INPLACE)
+                  failed.memory.but(journaled_at=T), INPLACE)
     assert restarted.actions[0]["fields"] == {"cause": "membership"}
 
 
@@ -819,7 +819,7 @@ def test_a_re_form_that_fails_in_the_cycle_its_shrink_returns_is_not_handed_agai
                   shrink=ShrinkOutcome(("b",), "ok", REC, wrote=True),
                   eviction=Eviction(("b",), ok=True, in_round=True)), lost_b().memory, INPLACE)
     assert [a["event"] for a in both.actions if a.kind is Kind.JOURNAL] == ["in-place-fallback"]
-    assert both.memory.generation_handed == G1
+    assert both.memory.reform.generation_handed == G1
     restarted = d(live(now=T + 2.6, workers=frozenset({31}), generation=G, generation_record=REC,
                        progress_event="reform-failed", rank0_here=True,
                        reform=Reform("reform-failed", duration_s=0.01, reason="fault injected")),
@@ -843,28 +843,28 @@ def test_no_re_form_within_the_bound_kills_the_workers():
     out = d(live(now=T + 7.0, generation=G), mem, INPLACE)
     assert out.kinds() == [Kind.KILL_WORKERS, Kind.JOURNAL, Kind.COUNT]
     assert out.actions[1]["fields"] == {"reason": "timeout", "duration_s": 7.0, "lost": ["b"]}
-    assert out.memory.in_place is None
+    assert out.memory.reform.in_place is None
 
 
 def test_a_re_form_is_not_a_training_hang():
-    mem = replace(agreed(), step_at=T - 500, intervals=(0.1,))
+    mem = agreed().but(step_at=T - 500, intervals=(0.1,))
     out = d(live(now=T + 1, generation=G), mem, INPLACE)
     assert not any(a.kind is Kind.JOURNAL and a["event"] == "training-hang" for a in out.actions)
 
 
 def test_a_second_loss_during_a_re_form_widens_it():
     c = PeerView("c", "running", ("127.0.0.1", 78), 6, "127.0.0.1:8")
-    mem = replace(agreed(), dead={"c": Death(c, "silent")})
+    mem = agreed().but(dead={"c": Death(c, "silent")})
     out = d(live(now=T + 1, generation=G), mem, INPLACE)
     shrink = next(a for a in out.actions if a.kind is Kind.SHRINK)
     assert shrink["lost"] == ("b", "c") and shrink["generation"] == G
-    assert out.memory.in_place.since == T
+    assert out.memory.reform.in_place.since == T
 
 
 def test_the_backstop_hands_a_newer_record_of_our_round_to_our_workers():
     out = d(live(generation=G, generation_record=REC, node_id="a"), RUNNING, INPLACE)
     assert out.kinds() == [Kind.WRITE_GENERATION] and out.actions[0]["record"] == REC
-    assert out.memory.in_place.agreed and out.memory.generation_handed == G1
+    assert out.memory.reform.in_place.agreed and out.memory.reform.generation_handed == G1
     again = d(live(now=T + 0.1, generation=G, generation_record=REC, node_id="a"), out.memory, INPLACE)
     assert Kind.WRITE_GENERATION not in again.kinds()
 
@@ -880,7 +880,7 @@ def test_the_backstop_ignores_other_rounds_and_old_records_and_restart_mode():
 def test_the_backstop_kills_workers_a_record_leaves_out():
     out = d(live(generation=G, generation_record=REC_WITHOUT_US, node_id="a"), RUNNING, INPLACE)
     assert out.kinds()[0] is Kind.KILL_WORKERS
-    assert out.memory.in_place is None and out.memory.generation_handed == G1
+    assert out.memory.reform.in_place is None and out.memory.reform.generation_handed == G1
 
 
 def test_our_world_is_published_when_it_changes():
@@ -903,7 +903,7 @@ def test_a_diverged_loss_marks_the_node_failed_at_once():
 
 
 def test_a_diverged_event_while_draining_is_left_to_the_drain():
-    draining = replace(RUNNING, phase=Phase.DRAINING, drain_reason="a drain request")
+    draining = replace(RUNNING, phase=Phase.DRAINING).but(drain_reason="a drain request")
     assert d(live(step=10, progress_event="diverged"), draining).phase is Phase.DRAINING
 
 
@@ -924,12 +924,12 @@ def test_workers_restarted_because_a_peer_cannot_resume_spend_no_crash_budget():
     for i in range(POLICY.crash_loop_failures + 2):  # more restarts than the budget
         out = d(live(now=T + 60 * i, workers=frozenset({100 + i}), progress_event="peer-unfit"), mem)
         mem = out.memory
-        assert out.phase is Phase.RUNNING and mem.failures == (), out.reason
+        assert out.phase is Phase.RUNNING and mem.life.failures == (), out.reason
         assert "after a membership" in out.reason
 
 
 def test_an_unfit_event_while_draining_is_left_to_the_drain():
-    draining = replace(RUNNING, phase=Phase.DRAINING, drain_reason="a drain request")
+    draining = replace(RUNNING, phase=Phase.DRAINING).but(drain_reason="a drain request")
     assert d(live(step=10, progress_event="unfit"), draining).phase is Phase.DRAINING
 
 
@@ -952,7 +952,7 @@ def test_a_lost_peer_is_journaled_by_exactly_one_survivor_the_lowest_rank(lost):
     writers, evicted = [], []
     for me in (n for n in ranks if n != lost):
         peers = {n: _peer(n, r) for n, r in ranks.items() if n != me}
-        mem = replace(RUNNING, dead={lost: Death(peers[lost], "crashed")}, journaled_at=T)
+        mem = RUNNING.but(dead={lost: Death(peers[lost], "crashed")}, journaled_at=T)
         out = d(live(node_id=me, peers=peers, world=WorldView(me, G, ranks[me], 1, 4)), mem)
         evicted.append(Kind.EVICT in out.kinds())
         if _journaled(out) == ["peer-lost"]:
@@ -967,7 +967,7 @@ def test_the_loss_writer_skips_peers_that_are_lost_leaving_or_refusing_and_falls
     mine = Snapshot(now=T, node_id="c", peers=peers)
     assert not records_loss(mine, RUNNING, {"x"})            # a: alive, lower id, no world
     assert records_loss(mine, RUNNING, {"a"})                # a lost; b leaving
-    assert records_loss(mine, replace(RUNNING, refused_at={"a": T}), ())
+    assert records_loss(mine, RUNNING.but(refused_at={"a": T}), ())
     assert records_loss(replace(mine, world=WorldView("c", G, 0, 1, 3)), RUNNING, ())  # a rank beats no world
 
 
@@ -976,7 +976,7 @@ def test_the_loss_writer_skips_peers_that_are_lost_leaving_or_refusing_and_falls
     ("worker-crash", False, True), ("agent-crash", False, True), ("hang", False, True)])
 def test_a_recovery_is_journaled_by_the_new_rank_0_or_by_the_node_of_a_local_fault(kind, rank0, writes):
     assert records_recovery(Snapshot(now=T, rank0_here=rank0), kind) is writes
-    mem = replace(RUNNING, recovering=(kind, T - 2), step=40, journaled_at=T)
+    mem = RUNNING.but(recovering=(kind, T - 2), step=40, journaled_at=T)
     out = d(live(step=41, progress_event="step", rank0_here=rank0), mem)
     assert _journaled(out) == (["recovered"] if writes else [])
     assert [a["label"] for a in out.actions if a.kind is Kind.OBSERVE] == [kind]   # every node's metric
@@ -987,25 +987,25 @@ def test_only_the_new_rank_0_journals_the_in_place_recovery():
         out = d(live(now=T + 1.5, generation=G1, step=41, progress_event="reformed", rank0_here=rank0,
                      world=WorldView("a", G1, 0 if rank0 else 1, 1, 2),
                      reform=Reform("reformed", duration_s=0.8, from_world_size=3)),
-                replace(agreed(), journaled_at=T), INPLACE)
+                agreed().but(journaled_at=T), INPLACE)
         assert _journaled(out) == (["recovered-in-place"] if rank0 else [])
         assert [(a.kind, a["label"]) for a in out.actions if a.kind in (Kind.OBSERVE, Kind.COUNT)] == \
             [(Kind.OBSERVE, "in-place"), (Kind.COUNT, "ok")]
 
 
 def test_a_membership_restart_is_journaled_by_the_rank_0_node_and_a_crash_by_its_own():
-    member = replace(RUNNING, membership_changed_at=T - 1, journaled_at=T)
+    member = RUNNING.but(membership_changed_at=T - 1, journaled_at=T)
     for rank0 in (True, False):
         out = d(live(workers=frozenset({21}), rank0_here=rank0), member)
         assert _journaled(out) == (["workers-restarted"] if rank0 else [])
-    crash = d(live(workers=frozenset({21}), rank0_here=False), replace(RUNNING, journaled_at=T))
+    crash = d(live(workers=frozenset({21}), rank0_here=False), RUNNING.but(journaled_at=T))
     assert _journaled(crash) == ["workers-restarted"]
 
 
 # -- a round that names a gone agent releases ours (issue 29 finding 1) -------------------
 
 MINE, B_AGENT, D_AGENT = ("127.0.0.1", AGENT), ("127.0.0.1", 77), ("127.0.0.1", 99)
-FORMING = replace(RUNNING, workers=frozenset(), step_at=None)
+FORMING = RUNNING.but(workers=frozenset(), step_at=None)
 
 
 def _forming(now: float = T, members=(MINE, B_AGENT, D_AGENT), peers=None, **kw) -> Snapshot:
@@ -1018,16 +1018,16 @@ def _forming(now: float = T, members=(MINE, B_AGENT, D_AGENT), peers=None, **kw)
 
 def test_a_round_naming_a_gone_agent_releases_ours_after_the_grace_and_no_failure_is_counted():
     first = d(_forming())
-    assert first.actions == () and first.memory.round_broken_since == T
+    assert first.actions == () and first.memory.life.round_broken_since == T
     assert d(_forming(now=T + 1.0), first.memory).actions == ()
     out = d(_forming(now=T + POLICY.broken_round_grace_s), first.memory)
     assert out.kinds() == [Kind.KILL_AGENT, Kind.LEAVE_RENDEZVOUS, Kind.COUNT]
     assert "round 5 names agent(s) 127.0.0.1:99 that are gone" in out.reason
     exited = d(_forming(now=T + 3, agent_exit=-9), out.memory)
-    assert exited.phase is Phase.BACKOFF and exited.memory.failures == ()
-    assert exited.memory.restart_at == T + 3 and "neither a completion nor a failure" in exited.reason
+    assert exited.phase is Phase.BACKOFF and exited.memory.life.failures == ()
+    assert exited.memory.life.restart_at == T + 3 and "neither a completion nor a failure" in exited.reason
     again = d(snap(now=T + 3.1), exited.memory)
-    assert Kind.START_AGENT in again.kinds() and not again.memory.agent_released
+    assert Kind.START_AGENT in again.kinds() and not again.memory.life.agent_released
 
 
 def test_a_round_whose_members_all_live_or_come_back_is_left_alone():
@@ -1035,7 +1035,7 @@ def test_a_round_whose_members_all_live_or_come_back_is_left_alone():
     assert d(_forming(peers={"b": B, "d": d_peer})).actions == ()
     first = d(_forming())
     back = d(_forming(now=T + 1, peers={"b": B, "d": d_peer}), first.memory)
-    assert back.memory.round_broken_since is None
+    assert back.memory.life.round_broken_since is None
     assert d(_forming(now=T + 3, peers={"b": B, "d": d_peer}), back.memory).actions == ()
 
 
@@ -1045,7 +1045,7 @@ def test_a_member_whose_node_left_or_failed_is_gone_and_released_after_the_grace
     killed while those were already forming the next round (etcd: lease not found)."""
     d_peer = PeerView("d", state, D_AGENT, 9, "127.0.0.1:9")
     first = d(_forming(peers={"b": B, "d": d_peer}))
-    assert first.actions == () and first.memory.round_broken_since == T
+    assert first.actions == () and first.memory.life.round_broken_since == T
     out = d(_forming(now=T + POLICY.broken_round_grace_s, peers={"b": B, "d": d_peer}),
             first.memory)
     assert out.kinds() == [Kind.KILL_AGENT, Kind.LEAVE_RENDEZVOUS, Kind.COUNT]
@@ -1061,9 +1061,9 @@ def test_release_broken_rounds_off_leaves_our_agent_in_the_round_as_torch_would(
 
 def test_a_member_the_majority_condemned_is_gone_though_its_record_lives():
     d_peer = PeerView("d", "running", D_AGENT, 9, "127.0.0.1:9")
-    mem = replace(FORMING, condemned={"d": D_AGENT})
+    mem = FORMING.but(condemned={"d": D_AGENT})
     first = d(_forming(peers={"b": B, "d": d_peer}), mem)
-    assert first.memory.round_broken_since == T
+    assert first.memory.life.round_broken_since == T
     late = d(_forming(now=T + POLICY.broken_round_grace_s, peers={"b": B, "d": d_peer}),
              first.memory)
     assert Kind.KILL_AGENT in late.kinds()
@@ -1075,13 +1075,13 @@ def test_a_member_whose_record_vanished_is_released_after_the_grace():
     assert before.actions == ()
     vanished = d(_forming(now=T + 0.5, departed=(d_peer,)), before.memory)
     assert Kind.KILL_AGENT not in vanished.kinds()
-    assert vanished.memory.round_broken_since == T + 0.5   # the grace starts: it is gone now
+    assert vanished.memory.life.round_broken_since == T + 0.5   # the grace starts: it is gone now
 
 
 def test_workers_that_trained_in_the_round_leave_a_loss_to_the_in_place_path():
     trained = _forming(generation=GenerationId(5, 1, "ep"))
     first = d(trained)
-    assert first.memory.round_broken_since is None
+    assert first.memory.life.round_broken_since is None
     assert d(replace(trained, now=T + 3), first.memory).actions == ()
 
 
@@ -1098,7 +1098,7 @@ def test_a_joiner_whose_workers_never_reported_is_released_from_a_round_naming_a
     trace's end). Nothing reported: these workers trained in no round."""
     s = _forming(generation=None, step=None)
     first = d(s)
-    assert first.memory.round_broken_since == T
+    assert first.memory.life.round_broken_since == T
     out = d(replace(s, now=T + POLICY.broken_round_grace_s), first.memory)
     assert out.kinds() == [Kind.KILL_AGENT, Kind.LEAVE_RENDEZVOUS, Kind.COUNT]
 
@@ -1114,26 +1114,26 @@ def test_a_round_our_agent_is_not_in_is_not_one_it_waits_in():
 # -- a start that never reaches its first step (issue 29 finding 9) ----------------------
 
 def test_workers_without_a_first_step_past_the_start_bound_are_killed_as_a_crash():
-    started = d(live(workers=frozenset({21})), replace(RUNNING, membership_changed_at=T - 3))
-    assert started.memory.workers_at == T and started.memory.step_at is None
+    started = d(live(workers=frozenset({21})), RUNNING.but(membership_changed_at=T - 3))
+    assert started.memory.life.workers_at == T and started.memory.life.step_at is None
     bound = POLICY.start_timeout_s
     assert d(live(now=T + bound - 1, workers=frozenset({21})), started.memory).actions == ()
     out = d(live(now=T + bound, workers=frozenset({21})), started.memory)
     assert out.kinds() == [Kind.KILL_WORKERS, Kind.JOURNAL]
     assert out.actions[1]["event"] == "start-hang" and "no first step" in out.reason
     restarted = d(live(now=T + bound + 1, workers=frozenset({22})), out.memory)
-    assert restarted.memory.failures == (T + bound + 1,)       # this node's own crash
+    assert restarted.memory.life.failures == (T + bound + 1,)       # this node's own crash
 
 
 def test_a_group_that_never_stepped_while_a_peer_was_unreachable_is_no_crash():
-    started = d(live(workers=frozenset({21})), replace(RUNNING, membership_changed_at=T - 3))
-    suspecting = replace(started.memory, suspicions={"b": ("silent", T + 1)})
+    started = d(live(workers=frozenset({21})), RUNNING.but(membership_changed_at=T - 3))
+    suspecting = started.memory.but(suspicions={"b": ("silent", T + 1)})
     out = d(live(now=T + 200, workers=frozenset({22})), suspecting)
-    assert out.memory.failures == () and "after a membership" in out.reason
+    assert out.memory.life.failures == () and "after a membership" in out.reason
 
 
 def test_a_group_that_stepped_is_judged_by_the_hang_bound_not_the_start_bound():
-    started = d(live(workers=frozenset({21})), replace(RUNNING, membership_changed_at=T - 3))
+    started = d(live(workers=frozenset({21})), RUNNING.but(membership_changed_at=T - 3))
     stepped = d(live(now=T + 1, workers=frozenset({21}), step=5), started.memory)
     later = d(live(now=T + POLICY.start_timeout_s + 1, workers=frozenset({21}), step=6), stepped.memory)
     assert Kind.KILL_WORKERS not in later.kinds()
@@ -1148,12 +1148,13 @@ def test_a_loss_while_a_peer_drains_shrinks_without_the_drainer_too():
     out = lost_b(peers={"b": B, "c": leaving})
     shrink = next(a for a in out.actions if a.kind is Kind.SHRINK)
     assert shrink["lost"] == ("b", "c") and shrink["peers"] == (B,)   # only b is evicted
-    assert out.memory.in_place.lost == ("b", "c")
-    assert lost_b(peers={"b": B, "c": replace(leaving, state="running")}).memory.in_place.lost == ("b",)
+    assert out.memory.reform.in_place.lost == ("b", "c")
+    back = lost_b(peers={"b": B, "c": replace(leaving, state="running")})
+    assert back.memory.reform.in_place.lost == ("b",)
 
 
 def test_a_draining_node_left_out_of_the_next_generation_kills_its_workers_once():
-    draining = replace(RUNNING, phase=Phase.DRAINING, drain_deadline=T + 30)
+    draining = replace(RUNNING, phase=Phase.DRAINING).but(drain_deadline=T + 30)
     s = live(generation=G, generation_record=REC_WITHOUT_US, node_id="a")
     out = d(s, draining, INPLACE)
     assert out.kinds() == [Kind.KILL_WORKERS] and out.phase is Phase.DRAINING

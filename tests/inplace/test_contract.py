@@ -123,7 +123,7 @@ def _view(node: str, suspects: str, world: tuple[str, ...]) -> PeerView:
 class TestDaemonPath(LossContract):
     def verdict(self, ticks: list[Tick], world: tuple[str, ...]) -> Loss | None:
         mine = WorldView(ME, G, world.index(ME), 1, len(world))
-        mem = Memory(phase=Phase.RUNNING, workers=frozenset({11}), agent_pid=42,
+        mem = Memory.of(phase=Phase.RUNNING, workers=frozenset({11}), agent_pid=42,
                      step_at=T0 - 0.5, peers_seen=frozenset(n for n in world if n != ME))
         seen: dict[str, PeerView] = {n: _view(n, "", world) for n in world if n != ME}
         for tick in ticks:
