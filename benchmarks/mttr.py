@@ -154,10 +154,12 @@ FIRST: dict[str, Callable[[str, dict], bool]] = {
     "worker_stop": lambda e, r: e == "coordinated stop",
     "probe_refused": lambda e, r: "refused its liveness probe" in e,
     "peer_lost": lambda e, r: e.startswith("peer(s) ") and " lost" in e,
-    "evicted": lambda e, r: e == "evicted lost peers",
-    # The daemon's line once the next generation is agreed (written, or adopted: status ok).
-    "generation_agreed": lambda e, r: e == "agreed an in-place generation" or (
-        e == "in-place generation" and r.get("status") == "ok"),
+    # The daemon's cycle line names its EVICT's and SHRINK's outcomes in fields
+    # (elasticd.actions.Outcome); the companion of plain torchrun logs its own recovery line.
+    "evicted": lambda e, r: "evicted" in r,
+    # The next generation agreed (written, or adopted: status ok).
+    "generation_agreed": lambda e, r: r.get("generation_status") == "ok" or (
+        r.get("event_kind") == "recovery" and r.get("status") == "ok"),
     "reform_failed": lambda e, r: e == "reform-failed",
     "in_place_fallback": lambda e, r: "in-place re-form fell back" in e,
 }

@@ -53,3 +53,14 @@ class Action:
 
 def act(kind: Kind, **data: Any) -> Action:
     return Action(kind, MappingProxyType(data))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What an executor did, for the cycle's one log line to name: ``text`` is a clause of its
+    sentence ("evicted b's agent from round 4"), ``fields`` join the line's structured fields
+    (what log readers match on), and a ``failed`` outcome makes the line a warning."""
+
+    text: str
+    fields: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    failed: bool = False

@@ -43,7 +43,7 @@ import psutil
 import structlog
 
 from elasticd import __version__, proctree
-from elasticd.actions import Action, Kind
+from elasticd.actions import Action, Kind, Outcome
 from elasticd.agent import (
     AgentProcess,
     RunFiles,
@@ -244,9 +244,9 @@ class Daemon:
             snapshot = self.observe()
             decision = decide(snapshot, self.memory, self.policy)
             self.memory = decision.memory
-            for action in decision.actions:
-                self._execute(action)
-        self._log(decision, snapshot)
+            outcomes = [out for action in decision.actions
+                        if (out := self._execute(action)) is not None]
+        self._log(decision, snapshot, outcomes)
         if self.watchdog is not None and self.clock() - started <= 2 * CYCLE_DEADLINE_S:
             self.watchdog.beat()
         return decision
@@ -296,9 +296,10 @@ class Daemon:
             self._restart_seen = (pids, torch_restart_count(workers))
         return self._restart_seen[1] if pids else None
 
-    def _execute(self, action: Action) -> None:
+    def _execute(self, action: Action) -> Outcome | None:
+        """Carry ``action`` out; its outcome, if the cycle's line should name it."""
         try:
-            ACTIONS[action.kind](self, action)
+            return ACTIONS[action.kind](self, action)
         except EtcdError as exc:
             # Every etcd write is retried by a later cycle (see the module docstring).
             self.log.warning("etcd call failed; a later cycle retries", action=action.kind.value,
@@ -306,8 +307,9 @@ class Daemon:
         except Exception:
             # A bug in one executor must not take the node's training down with the loop.
             self.log.exception("action failed", action=action.kind.value)
+        return None
 
-    def _log(self, decision: Decision, snapshot: Snapshot) -> None:
+    def _log(self, decision: Decision, snapshot: Snapshot, outcomes: list[Outcome]) -> None:
         phase = decision.phase
         self.metrics.set_phase(phase)
         self.metrics.peers.set(len(snapshot.peers))
@@ -327,11 +329,14 @@ class Daemon:
             self._checkpoint_seen = (snapshot.checkpoint_step, self.clock())
         if snapshot.checkpoint_step is not None:
             m.checkpoint_age.set(self.clock() - self._checkpoint_seen[1])
-        if decision.reason:
-            self.log.info(decision.reason, actions=[a.kind.value for a in decision.actions],
-                          phase=phase.value, round=self.jobs.view.round,
-                          world_size=self.progress.progress.world_size, step=snapshot.step)
-        if decision.reason or self.clock() - self._status_at >= 1.0:  # with a sentence, else 1/s
+        sentence = cycle_sentence(decision.reason, outcomes)
+        if sentence:
+            emit = self.log.warning if any(o.failed for o in outcomes) else self.log.info
+            fields = {k: v for o in outcomes for k, v in o.fields.items()}
+            emit(sentence, actions=[a.kind.value for a in decision.actions], phase=phase.value,
+                 round=self.jobs.view.round, world_size=self.progress.progress.world_size,
+                 step=snapshot.step, **fields)
+        if sentence or self.clock() - self._status_at >= 1.0:  # with a sentence, else 1/s
             self._status_at = self.clock()
             self.notifier.status(self._status_line())
 
@@ -369,7 +374,7 @@ class Daemon:
 
     # -- the action table's executors -----------------------------------------------------
 
-    def _start_agent(self, action: Action) -> None:
+    def _start_agent(self, action: Action) -> Outcome:
         self.files.stop.unlink(missing_ok=True)
         self.worker_errors.forget()   # a new life's failure names its own cause
         prune_log_dirs(self.files.torchrun_logs)
@@ -382,6 +387,7 @@ class Daemon:
         self.metrics.agent_starts.inc()
         self.membership.update(state="running", agent_pid=pid)
         self._record("agent-started", agent_pid=pid)
+        return Outcome(f"agent {pid} started", {"agent_pid": pid})
 
     def _terminate_agent(self, action: Action) -> None:
         """SIGTERM the agent and its workers (no wait: the drain's timer kills later)."""
@@ -391,13 +397,14 @@ class Daemon:
             with contextlib.suppress(psutil.Error):
                 proc.send_signal(signal.SIGTERM)
 
-    def _kill_agent(self, action: Action) -> None:
-        if self.agent is not None and self.agent.pid is not None:
-            proctree.kill_tree(self.agent.pid)
+    def _kill_agent(self, action: Action) -> Outcome | None:
+        if self.agent is None or self.agent.pid is None:
+            return None
+        return _killed(f"agent {self.agent.pid}'s tree", proctree.kill_tree(self.agent.pid))
 
-    def _kill_workers(self, action: Action) -> None:
+    def _kill_workers(self, action: Action) -> Outcome:
         procs = [p for pid in action["pids"] for p in self._tree(pid)]
-        proctree.kill_processes(procs)
+        return _killed(f"{len(procs)} worker process(es)", proctree.kill_processes(procs))
 
     @staticmethod
     def _tree(pid: int) -> list[psutil.Process]:
@@ -409,36 +416,39 @@ class Daemon:
     def _confirm_peer(self, action: Action) -> None:
         self.prober.confirm(action["peer"].node_id, action["peer"].probe)
 
-    def _evict(self, action: Action) -> None:
+    def _evict(self, action: Action) -> Outcome:
         peers = action["peers"]
         names = tuple(p.node_id for p in peers)
         agents = {p.agent for p in peers if p.agent}
         if not agents:
             self._eviction = Eviction(names, ok=True, in_round=False)
-            return
+            return Outcome(f"{', '.join(names)} had no agent to evict", {"evicted": list(names)})
         try:
             removal = admin.evict_agents(self.client, self.keys, agents, self.config.job.min_nodes,
                                          deadline_s=RDZV_EDIT_S)
         except EtcdError as exc:
-            self.log.warning("could not evict peers from the rendezvous yet; retrying",
-                             peers=list(names), reason=str(exc))
             self._eviction = Eviction(names, ok=False)
-            return
+            return Outcome(f"the eviction did not reach etcd ({exc}); retrying in a second",
+                           {"evict_failed": list(names)}, failed=True)
         self._eviction = Eviction(names, ok=True,
                                   in_round=removal.in_round if removal.removed else None)
-        self.log.info("evicted lost peers", peers=list(names), removed=list(removal.removed))
+        removed = list(removal.removed)   # the rendezvous' names of the agents
+        text = (f"evicted {', '.join(removed)} from the rendezvous" if removed
+                else f"{', '.join(names)} already out of the rendezvous")
+        return Outcome(text, {"evicted": list(names), "removed": removed})
 
-    def _leave_rendezvous(self, action: Action | None = None) -> None:
+    def _leave_rendezvous(self, action: Action | None = None) -> Outcome | None:
         if self.agent is None or self.agent.pid is None:
-            return
+            return None
         try:
             admin.evict_agents(self.client, self.keys, {(self.config.node.addr, self.agent.pid)},
                                self.config.job.min_nodes, deadline_s=RDZV_EDIT_S)
         except EtcdError as exc:
-            self.log.warning("could not leave the rendezvous; peers evict us by keep-alive",
-                             reason=str(exc))
+            return Outcome(f"could not leave the rendezvous ({exc}); the peers evict us by "
+                           "keep-alive", failed=True)
+        return None
 
-    def _shrink_world(self, action: Action) -> None:
+    def _shrink_world(self, action: Action) -> Outcome:
         """Agree the next in-place generation, hand it to our workers, and (if this
         daemon's write made it) release the old round's exit barrier."""
         lost = action["lost"]
@@ -451,10 +461,17 @@ class Daemon:
         if out.status == "ok":
             out = self._hand_over(out)
         self._shrink = out
-        self.log.info("in-place generation", status=out.status, lost=list(lost),
-                      generation=str(out.record.id) if out.record else None, reason=out.reason)
-        if out.wrote and out.status in ("ok", "fenced"):
-            self._release_exit_barrier(out.record)
+        gid = str(out.record.id) if out.record else None
+        fields = {"generation_status": out.status, "generation": gid}
+        if out.status == "failed":
+            return Outcome(f"no in-place generation: {out.reason}", fields, failed=True)
+        verb = "agreed" if out.wrote else "adopted"
+        text = {"ok": f"generation {gid} {verb}", "fenced": f"generation {gid} {verb} without us",
+                "unneeded": f"generation {gid} already leaves them out"}[out.status]
+        if out.wrote and out.status in ("ok", "fenced") and not self._release_exit_barrier(out.record):
+            return Outcome(f"{text}; the old round's exit barrier was not released (the survivors "
+                           "wait torch's exit-barrier timeout at the job's end)", fields, failed=True)
+        return Outcome(text, fields)
 
     def _hand_over(self, out: ShrinkOutcome) -> ShrinkOutcome:
         try:
@@ -479,19 +496,21 @@ class Daemon:
             stores[self.node_id] = self.store_host.endpoint
         return stores
 
-    def _release_exit_barrier(self, record: generation.GenerationRecord) -> None:
+    def _release_exit_barrier(self, record: generation.GenerationRecord) -> bool:
+        """Whether the old round's exit barrier was released."""
         try:
             admin.release_exit_barrier(self.client, self.keys, record.id.round,
                                        deadline_s=RDZV_EDIT_S)
-        except EtcdError as exc:
-            self.log.warning("could not release the old round's exit barrier; the survivors "
-                             "wait torch's exit-barrier timeout at the job's end", reason=str(exc))
+        except EtcdError:
+            return False
+        return True
 
     def _write_generation(self, action: Action) -> None:
         hand_over(str(self.files.generation), action["record"])
 
-    def _reopen_rendezvous(self, action: Action) -> None:
-        admin.reopen_if_closed(self.client, self.keys, deadline_s=RDZV_EDIT_S)
+    def _reopen_rendezvous(self, action: Action) -> Outcome:
+        reopened = admin.reopen_if_closed(self.client, self.keys, deadline_s=RDZV_EDIT_S)
+        return Outcome("reopened" if reopened else "another daemon reopened it first")
 
     def _publish(self, action: Action) -> None:
         self.membership.update(**action["fields"])
@@ -598,7 +617,25 @@ def next_run_hint(config: Config) -> str:
             f"(deploy/README.md, 'The next run')")
 
 
-ACTIONS: dict[Kind, Callable[[Daemon, Action], None]] = {
+def cycle_sentence(reason: str, outcomes: list[Outcome]) -> str:
+    """The cycle's one log line: why (the decision), then what the actions did.
+
+    ``"peer(s) b lost; evicting them ... in place (evicted 10.0.0.2_77_0 from the rendezvous;
+    generation 4.1 agreed)"``. A cycle with no reason names its outcomes alone (an action's failure)."""
+    done = "; ".join(o.text for o in outcomes)
+    if not reason:
+        return done
+    return f"{reason} ({done})" if done else reason
+
+
+def _killed(what: str, survivors: list[psutil.Process]) -> Outcome:
+    if not survivors:
+        return Outcome(f"killed {what}")
+    return Outcome(f"killed {what}; {len(survivors)} still alive after SIGKILL",
+                   {"kill_survivors": [p.pid for p in survivors]}, failed=True)
+
+
+ACTIONS: dict[Kind, Callable[[Daemon, Action], Outcome | None]] = {
     Kind.START_AGENT: Daemon._start_agent,
     Kind.TERMINATE_AGENT: Daemon._terminate_agent,
     Kind.KILL_AGENT: Daemon._kill_agent,

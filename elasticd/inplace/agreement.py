@@ -79,9 +79,7 @@ def shrink_world(client: EtcdClient, keys: JobKeys, node_id: str, lost: Iterable
                 return _no_generation(lost, base, stores)
             won, _ = client.put_or_create(keys.generation, nxt.to_json().encode(),
                                           kv.mod_revision if kv is not None else None)
-            if won:
-                log.info("agreed an in-place generation", generation=str(nxt.id),
-                         members=list(nxt.nodes), lost=list(nxt.lost), store=nxt.store)
+            if won:   # the caller's log line names it (the daemon's cycle, the companion's)
                 return _adopt(node_id, lost, nxt, wrote=True)
             if time.monotonic() >= end:
                 return ShrinkOutcome(lost, "failed", reason="lost the compare-and-set until "

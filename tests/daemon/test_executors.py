@@ -29,7 +29,7 @@ from structlog.testing import capture_logs
 
 import elasticd.daemon as daemon_module
 from elasticd import proctree
-from elasticd.actions import Kind, act
+from elasticd.actions import Kind, Outcome, act
 from elasticd.agent import worker_env
 from elasticd.config import config_from_dict
 from elasticd.contract import generation
@@ -42,7 +42,7 @@ from elasticd.membership import Membership, Peer
 from elasticd.observer import JobReader
 from elasticd.rendezvous.rounds import Agent, World, encode_pointer
 from elasticd.sdnotify import SystemdNotifier
-from elasticd.supervisor import Eviction, PeerView
+from elasticd.supervisor import Decision, Eviction, Memory, PeerView
 from tests.daemon.test_sdnotify import FakeClock, FakeSystemd
 
 ADDR = "10.0.0.1"          # this node's agent address
@@ -277,6 +277,47 @@ def test_evict_of_an_agent_another_daemon_removed_first_leaves_in_round_unknown(
     assert daemon.observe().eviction == Eviction(("b",), ok=True, in_round=None)
 
 
+def test_evict_returns_what_it_removed_for_the_cycles_line(daemon, client, keys):
+    dead = Agent(PEER_ADDR, 77)
+    world = World(3, (Agent(ADDR, AGENT_PID), dead))
+    client.put(keys.rdzv_world(3), world.encode())
+    client.put(keys.rdzv_round, encode_pointer(world))
+    alive_agent(client, keys, dead)
+    out = daemon._execute(act(Kind.EVICT, peers=(PeerView("b", agent=(PEER_ADDR, 77)),)))
+    assert out == Outcome(f"evicted {dead.name} from the rendezvous",
+                          {"evicted": ["b"], "removed": [dead.name]})
+
+
+def test_an_eviction_etcd_refuses_is_a_failed_outcome_and_retried(daemon):
+    class DownClient:
+        def __getattr__(self, name):
+            raise EtcdUnavailable("etcd is down")
+
+    daemon.client = DownClient()
+    with capture_logs() as logs:
+        out = daemon._execute(act(Kind.EVICT, peers=(PeerView("b", agent=(PEER_ADDR, 77)),)))
+    assert out.failed and "etcd is down" in out.text and out.fields == {"evict_failed": ["b"]}
+    assert daemon._eviction == Eviction(("b",), ok=False)      # the policy retries it
+    assert logs == []                                           # the cycle's line says it
+
+
+def test_the_cycle_logs_one_line_naming_the_decision_and_what_its_actions_did(daemon):
+    decision = Decision(Memory(), (act(Kind.EVICT, peers=()), act(Kind.SHRINK)),
+                        "peer(s) b lost; evicting them")
+    done = [Outcome("evicted 10.0.0.2_77_0 from the rendezvous", {"evicted": ["b"]}),
+            Outcome("generation 4.1 agreed", {"generation": "4.1", "generation_status": "ok"})]
+    with capture_logs() as logs:
+        daemon._log(decision, daemon.observe(), done)
+    [line] = logs
+    assert line["event"] == ("peer(s) b lost; evicting them (evicted 10.0.0.2_77_0 from the "
+                             "rendezvous; generation 4.1 agreed)")
+    assert (line["log_level"], line["evicted"], line["generation_status"]) == ("info", ["b"], "ok")
+    assert line["actions"] == ["evict", "shrink"]
+    with capture_logs() as logs:
+        daemon._log(Decision(Memory()), daemon.observe(), [Outcome("no luck", failed=True)])
+    assert [(e["event"], e["log_level"]) for e in logs] == [("no luck", "warning")]
+
+
 def test_evict_of_peers_without_an_agent_needs_no_etcd(daemon):
     daemon.client = None        # any etcd call would fail the action ("action failed")
     with capture_logs() as logs:
@@ -400,8 +441,9 @@ def test_kill_workers_kills_each_named_worker_with_its_descendants(daemon, monke
     monkeypatch.setattr(daemon, "_tree", lambda pid: trees[pid])
     monkeypatch.setattr(proctree, "kill_processes",
                         lambda procs, **kw: killed.append([p.pid for p in procs]) or [])
-    run(daemon, Kind.KILL_WORKERS, pids=(11, 12))
+    out = daemon._execute(act(Kind.KILL_WORKERS, pids=(11, 12)))
     assert killed == [[111, 11, 12]]
+    assert out == Outcome("killed 3 worker process(es)")      # for the cycle's line
 
 
 # -- observe --------------------------------------------------------------------------------
