@@ -132,3 +132,25 @@ def test_only_the_command_line_imports_the_operators_commands():
                    and p.name != "cli.py"
                    for m in imports_of(p) if m == "elasticd.ops" or m.startswith("elasticd.ops."))
     assert stray == [], f"runtime modules import elasticd.ops: {stray}"
+
+
+# The daemon's policy decides from a Snapshot alone: it imports nothing that does I/O,
+# reads a clock or logs (elasticd.supervisor's docstring; its tests need no process).
+POLICY_MAY_IMPORT = ("__future__", "collections", "dataclasses", "enum", "statistics", "types",
+                     "typing", "elasticd.actions", "elasticd.contract", "elasticd.inplace.loss",
+                     "elasticd.inplace.agreement", "elasticd.quorum", "elasticd.supervisor")
+
+
+def test_the_policy_imports_nothing_that_does_io_or_reads_a_clock():
+    found = []
+    for path in sorted((REPO / "elasticd" / "supervisor").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):   # from elasticd import quorum: elasticd.quorum
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            found += [(path.name, n) for n in names
+                      if not any(n == ok or n.startswith(ok + ".") for ok in POLICY_MAY_IMPORT)]
+    assert found == []

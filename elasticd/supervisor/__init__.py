@@ -14,12 +14,12 @@ The package, by concern: ``state`` (the phases and ``PHASE_EDGES``, ``Policy``, 
 ``reform`` (the in-place re-form as the daemon tracks it), ``journal`` (who writes the job's
 record) and ``decide`` (the ordered steps and rules).
 
-A cycle first does the bookkeeping that every phase needs (``_BOOKKEEPING``, in
+A cycle first does the bookkeeping that every phase needs (``decide._BOOKKEEPING``, in
 order: signals, an in-place re-form under way, progress and the crash counter, worker
 restarts and their cause, peer news (vanished records, confirmations), this node's
 suspicions and the majority's verdicts (``quorum``), the shrink's and the eviction's
 outcomes, kills due, generation news, the world to publish, the checkpoint hint, the
-periodic journal entry), then applies the first matching phase rule (``_RULES``).
+periodic journal entry), then applies the first matching phase rule (``decide._RULES``).
 Phases and their edges::
 
     IDLE ──start──▶ RUNNING ──exit 0──▶ COMPLETED
@@ -41,8 +41,8 @@ Phases and their edges::
     any non-final ──job completed elsewhere, agent gone──▶ COMPLETED
     any non-final ──second stop signal──▶ STOPPED (hard)
 
-FAILED is entered from RUNNING only (``_agent_exited``, ``_worker_crash_loop``,
-``_diverged``, ``_unfit``): no rule fails a node in BACKOFF. The same edges are
+FAILED is entered from RUNNING only (``lifecycle``'s ``agent_exited``, ``worker_crash_loop``,
+``diverged``, ``unfit``): no rule fails a node in BACKOFF. The same edges are
 ``PHASE_EDGES``; ``change_phase`` is the one way a rule changes the phase.
 """
 

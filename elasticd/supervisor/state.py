@@ -225,7 +225,7 @@ class PeerMemory:
     refused_at: Mapping[str, float] = field(default_factory=dict)  # last refused probe per peer
     # elasticd.quorum: this node's own suspicions (node -> (how, since)), published in its
     # record; when its probes of each peer first went unanswered; the peers a majority
-    # condemned, with the agent their record named then (``_held_verdicts``: acted on
+    # condemned, with the agent their record named then (``peers._held_verdicts``: acted on
     # once); since when this node is cut off from the majority (it then stops its
     # workers and waits).
     suspicions: Mapping[str, tuple[str, float]] = field(default_factory=dict)

@@ -1211,3 +1211,21 @@ def _diagram_edges(doc: str) -> set[tuple[Phase, Phase]]:
 def test_the_docstring_diagram_draws_exactly_the_table():
     table = {(p, to) for p, tos in PHASE_EDGES.items() for to in tos}
     assert _diagram_edges(supervisor.__doc__) == table
+
+
+# -- the memory's records ---------------------------------------------------------------------
+
+def test_memory_but_routes_each_field_to_the_record_that_owns_it():
+    mem = RUNNING.but(failures=(1.0,), dead={"b": Death(B, "crashed")}, generation_handed=G1,
+                      journaled_at=5.0)
+    assert mem.life.failures == (1.0,) and mem.peer.dead == {"b": Death(B, "crashed")}
+    assert mem.reform.generation_handed == G1 and mem.journal.journaled_at == 5.0
+    assert mem.life.workers == W and mem.phase is Phase.RUNNING   # the rest kept
+    assert RUNNING.life.failures == ()                           # frozen: a new memory
+
+
+def test_memory_but_refuses_the_phase_and_names_an_unknown_field():
+    with pytest.raises(TypeError, match="change_phase"):
+        RUNNING.but(phase=Phase.FAILED)
+    with pytest.raises(TypeError, match="'restart_after'"):
+        RUNNING.but(restart_after=1.0)
