@@ -1,4 +1,4 @@
-"""The node daemon's loop: observe, decide, act, log the sentence (if any).
+"""The node daemon's loop: observe, decide, act, log one line (if there is news).
 
 A cycle, then ``TICK_S`` of sleep (the period is ``TICK_S`` plus the cycle's own time):
 
@@ -10,9 +10,11 @@ A cycle, then ``TICK_S`` of sleep (the period is ``TICK_S`` plus the cycle's own
 2. **decide**: ``supervisor.decide(snapshot, memory, policy)``, pure, returns the
    next memory, the actions and one sentence;
 3. **act**: each action through ``ACTIONS``, the table from ``Kind`` to its
-   executor (checked complete at start);
-4. **log** the sentence, if there is one (a quiet cycle logs nothing; tests assert
-   on the sentences), and beat the watchdog gate.
+   executor (checked complete at start); an executor decides nothing and logs nothing
+   of its own: it returns an ``actions.Outcome`` where the line should say what it did;
+4. **log** one line, the decision's sentence with its actions' outcomes
+   (``cycle_sentence``; a quiet cycle logs nothing; tests assert on the sentences and the
+   outcomes' fields), and beat the watchdog gate.
 
 The whole cycle runs under one etcd deadline (``CYCLE_DEADLINE_S``): every etcd
 call made from the loop is cut to the time left and fails fast after it, so an
