@@ -40,6 +40,8 @@ class Kind(enum.Enum):
     SHRINK = "shrink"                          # agree the next generation without lost nodes;
     #                                            data: lost, cause, peers, generation
     WRITE_GENERATION = "write_generation"      # hand an agreed record to our workers; data: record
+    DRAIN_IN_PLACE = "drain_in_place"          # agree a planned generation without this node,
+    #                                            hand it to our workers; data: generation
 
 
 @dataclass(frozen=True)

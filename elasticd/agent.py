@@ -50,6 +50,11 @@ class RunFiles:
         return self.run_dir / "stop"
 
     @property
+    def leave(self) -> Path:
+        """Exists: our agent joins no further round (``WorkerSettings.leave_file``)."""
+        return self.run_dir / "leave"
+
+    @property
     def generation(self) -> Path:
         """The generation record for this node's workers (in-place re-forms; the daemon writes)."""
         return self.run_dir / "generation.json"
@@ -135,6 +140,7 @@ def worker_settings(config: Config, files: RunFiles) -> WorkerSettings:
         lr_base_world_size=lr.base_world_size,
         lr_warmup_steps=lr.warmup_steps,
         stop_file=str(files.stop),
+        leave_file=str(files.leave),
         progress_file=str(files.progress),
         daemon_pid=os.getpid(),
         recovery_mode=config.recovery.mode,

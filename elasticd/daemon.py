@@ -61,7 +61,7 @@ from elasticd.contract import generation
 from elasticd.contract.progress import ProgressReader
 from elasticd.errors import ElasticdError, EtcdError
 from elasticd.etcd_client import EtcdClient, deadline
-from elasticd.inplace.agreement import ShrinkOutcome, shrink_world
+from elasticd.inplace.agreement import ShrinkOutcome, drain_world, shrink_world
 from elasticd.inplace.handover import hand_over
 from elasticd.inplace.store import StoreHost
 from elasticd.journal import Journal
@@ -131,6 +131,7 @@ class Daemon:
         self._notice_deadline: float | None = None
         self._eviction: Eviction | None = None
         self._shrink: ShrinkOutcome | None = None
+        self._drained: ShrinkOutcome | None = None
         self.store_host = StoreHost(config.node.addr, config.recovery.store_port)
         self.warm_host = WarmHost(config.job.python or sys.executable, self.files.warm_socket,
                                   self.files.warm_log, config.job.warm_imports) \
@@ -268,6 +269,7 @@ class Daemon:
         self._progress_seen = progress
         eviction, self._eviction = self._eviction, None
         shrink, self._shrink = self._shrink, None
+        drained, self._drained = self._drained, None
         agent = self.agent
         workers = agent.workers(direct=True) if agent else []
         return Snapshot(
@@ -289,6 +291,7 @@ class Daemon:
             eviction=eviction, checkpoint_step=self.scanner.step, rank0_here=progress.rank == 0,
             node_id=self.node_id, generation=progress.generation,
             world=progress.world(self.node_id), reform=progress.reform, shrink=shrink,
+            drained=drained,
             generation_record=job.generation)
 
     def _restart_count(self, workers: list[psutil.Process]) -> int | None:
@@ -378,6 +381,7 @@ class Daemon:
 
     def _start_agent(self, action: Action) -> Outcome:
         self.files.stop.unlink(missing_ok=True)
+        self.files.leave.unlink(missing_ok=True)
         self.worker_errors.forget()   # a new life's failure names its own cause
         prune_log_dirs(self.files.torchrun_logs)
         warm = self.files.warm_socket if self.warm_host is not None else None
@@ -463,13 +467,43 @@ class Daemon:
         if out.status == "ok":
             out = self._hand_over(out)
         self._shrink = out
-        gid = str(out.record.id) if out.record else None
-        fields = {"generation_status": out.status, "generation": gid}
         if out.status == "failed":
-            return Outcome(f"no in-place generation: {out.reason}", fields, failed=True)
+            return Outcome(f"no in-place generation: {out.reason}", _generation_fields(out),
+                           failed=True)
         verb = "agreed" if out.wrote else "adopted"
+        gid = out.record.id
         text = {"ok": f"generation {gid} {verb}", "fenced": f"generation {gid} {verb} without us",
                 "unneeded": f"generation {gid} already leaves them out"}[out.status]
+        return self._released(out, text)
+
+    def _drain_in_place(self, action: Action) -> Outcome:
+        """Agree the planned generation without this node and hand it to our workers (they
+        stop after the step the world agrees, the others re-form); the leave file keeps our
+        agent out of every later round, so the others' agents see nobody waiting."""
+        try:
+            out = drain_world(self.client, self.keys, self.node_id, action["generation"],
+                              self._world_views(()), self._stores(), deadline_s=RDZV_EDIT_S)
+        except EtcdError as exc:
+            out = ShrinkOutcome((self.node_id,), "failed", reason=f"etcd did not answer: {exc}")
+        if out.status == "ok":
+            try:
+                self.files.leave.touch()   # before our workers can stop and the agent rejoin
+            except OSError as exc:
+                out = dataclasses.replace(out, status="failed",
+                                          reason=f"the leave file was not written: {exc}")
+        if out.status == "ok":
+            out = self._hand_over(out)
+        self._drained = out
+        if out.status == "failed":
+            return Outcome(f"no drain in place: {out.reason}", _generation_fields(out), failed=True)
+        verb = "agreed" if out.wrote else "adopted"
+        return self._released(out, f"generation {out.record.id} {verb} without this node; our "
+                                   "workers stop after the step the world agrees")
+
+    def _released(self, out: ShrinkOutcome, text: str) -> Outcome:
+        """``text``'s outcome, once the old round's exit barrier is released if this
+        daemon's write made a generation that leaves a node of that round out."""
+        fields = _generation_fields(out)
         if out.wrote and out.status in ("ok", "fenced") and not self._release_exit_barrier(out.record):
             return Outcome(f"{text}; the old round's exit barrier was not released (the survivors "
                            "wait torch's exit-barrier timeout at the job's end)", fields, failed=True)
@@ -619,6 +653,11 @@ def next_run_hint(config: Config) -> str:
             f"(deploy/README.md, 'The next run')")
 
 
+def _generation_fields(out: ShrinkOutcome) -> dict[str, Any]:
+    return {"generation_status": out.status,
+            "generation": str(out.record.id) if out.record else None}
+
+
 def cycle_sentence(reason: str, outcomes: list[Outcome]) -> str:
     """The cycle's one log line: why (the decision), then what the actions did.
 
@@ -657,6 +696,7 @@ ACTIONS: dict[Kind, Callable[[Daemon, Action], Outcome | None]] = {
     Kind.NOTIFY: Daemon._notify,
     Kind.SHRINK: Daemon._shrink_world,
     Kind.WRITE_GENERATION: Daemon._write_generation,
+    Kind.DRAIN_IN_PLACE: Daemon._drain_in_place,
 }
 
 

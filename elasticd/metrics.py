@@ -1,4 +1,11 @@
-"""Prometheus metrics of one daemon, on their own registry (``[metrics] port``)."""
+"""Prometheus metrics of one daemon, on their own registry (``[metrics] port``).
+
+``elasticd_etcd_up`` is set every cycle (``Daemon._log``) from ``observer.JobReader``'s
+view: 1 if the loop's last read of the job's keys (at most once a second: ``/state``, this
+node's drain key, the rendezvous state, round pointer and closed key, ``/generation``, and
+a new keyed round's world record) succeeded, 0 from a failed read until the next one
+succeeds. The membership lease's own etcd calls do not set it.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +26,8 @@ class Metrics:
         # outage state, this gauge is the loop's once-a-second read of the job's keys.
         self.etcd_up = Gauge("elasticd_etcd_up", "1 if etcd answered the daemon's last "
                              "once-a-second read of the job's keys (/state, the drain key, "
-                             "the rendezvous round, /generation); 0 while it fails",
+                             "the rendezvous state, round and closed keys, /generation, a new "
+                             "round's world); 0 while it fails",
                              registry=r)
         self.checkpoint_step = Gauge("elasticd_checkpoint_step", "Newest committed checkpoint step",
                                      registry=r)
@@ -44,8 +52,12 @@ class Metrics:
         self.evictions = Counter("elasticd_peer_evictions", "Peers evicted from the rendezvous, "
                                  "by how they went (crashed, silent, left)", ["how"], registry=r)
 
+        self.drain_seconds = Histogram(
+            "elasticd_drain_seconds", "From this node's drain request to its agent's end, by how "
+            "(in-place: the others went on; coordinated-stop: every rank stopped)", ["how"],
+            buckets=(0.5, 1, 2, 3, 5, 8, 13, 20, 30, 60, 120), registry=r)
         self.in_place_recoveries = Counter(
-            "elasticd_in_place_recoveries", "In-place re-forms after a lost peer, by outcome "
+            "elasticd_in_place_recoveries", "In-place re-forms after a lost peer or a drain, by outcome "
             "(ok; fallback: the workers were restarted instead)", ["outcome"], registry=r)
 
     def serve(self, addr: str, port: int) -> None:

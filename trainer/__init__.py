@@ -11,7 +11,8 @@ here, ``DIVERGED_EXIT_CODE`` and ``UNFIT_EXIT_CODE`` are in ``trainer.exitcodes`
 
 Names are imported lazily: ``import trainer`` and ``trainer.exitcodes`` do not import
 torch; each other name imports its module (and torch) on first use. The daemon imports
-none of this (it reads its workers' progress file and its agent's exit code).
+none of this (it reads its workers' progress file, its agent's exit code and log), but
+it does import torch itself (torch's rendezvous, through ``elasticd.rendezvous``).
 """
 
 from __future__ import annotations

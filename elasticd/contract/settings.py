@@ -152,6 +152,9 @@ class WorkerSettings:
     lr_warmup_steps: int = setting(int, "LR ramp length after a world-size change", default=0,
                                    check=_non_negative, expected="an integer >= 0")
     stop_file: str | None = setting(str, "exists -> coordinated stop, as SIGTERM", channel=True)
+    leave_file: str | None = setting(
+        str, "exists -> this node's torchrun agent joins no further round and leaves the "
+        "rendezvous (a drain in place: its workers stop, the others go on)", channel=True)
     progress_file: str | None = setting(
         str, "JSON progress record, rewritten after every event (steps: at most every 0.25 s)",
         channel=True)
@@ -220,6 +223,10 @@ CHANNEL_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS if f.metadata["cha
 
 def env_name(f: dataclasses.Field) -> str:
     return PREFIX + f.name.upper()
+
+
+# Read by the etcd3 plugin inside torchrun's agent (the agent's environment is the workers').
+LEAVE_FILE_ENV = PREFIX + "LEAVE_FILE"
 
 
 def flag_name(f: dataclasses.Field) -> str:

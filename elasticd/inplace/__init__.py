@@ -13,7 +13,8 @@ against both):
   when a strict majority of the live members suspect it (``elasticd.quorum``), never by
   the votes of a node cut off from the majority.
 * ``agreement``: the next generation, agreed by one compare-and-set on the job's
-  ``generation`` key; the first survivor's write wins, the others adopt it.
+  ``generation`` key; the first survivor's write wins, the others adopt it. A drain in
+  place is the same loop run by the leaver's daemon: a planned record without it.
 * ``handover``: the one writer of the workers' generation file.
 * ``store``: the TCP store each survivor hosts, through which a re-formed group forms.
 

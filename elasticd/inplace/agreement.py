@@ -4,17 +4,20 @@
 compare-and-set on ``JobKeys.generation``. Every survivor (each daemon, or each
 companion under plain torchrun) detects the same loss and tries; the first write wins
 and the others adopt it, so all of them hand the same record to their workers.
-``ShrinkOutcome`` says which.
+``drain_world``: the planned generation without a draining node, agreed by its own
+daemon through the same compare-and-set loop (``_agree``); the others adopt the record
+they read. ``ShrinkOutcome`` says what either did.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import structlog
 
+from elasticd.contract import generation
 from elasticd.contract.generation import (
     GenerationId,
     GenerationRecord,
@@ -33,9 +36,10 @@ log = structlog.get_logger(__name__)
 class ShrinkOutcome:
     """What one agreement did (``shrink_world``).
 
-    ``status``: ``ok`` (a record naming us is agreed: hand it to our workers),
-    ``fenced`` (the agreed record leaves us out), ``unneeded`` (the lost nodes were not
-    in our workers' world), ``failed`` (no in-place generation: ``reason`` says why).
+    ``status``: ``ok`` (a record naming us is agreed: hand it to our workers; for
+    ``drain_world``, a planned record without us), ``fenced`` (the agreed record leaves
+    us out), ``unneeded`` (the lost nodes were not in our workers' world), ``failed`` (no
+    in-place generation: ``reason`` says why).
     ``wrote``: this node's compare-and-set made the record.
     """
 
@@ -58,6 +62,60 @@ def shrink_world(client: EtcdClient, keys: JobKeys, node_id: str, lost: Iterable
     call fails fast: an outage raises ``EtcdError`` for the caller's fallback).
     """
     lost = tuple(sorted(set(lost)))
+    out = _agree(client, keys, workers, views, deadline_s,
+                 make=lambda base: shrink(base, lost, stores, cause, created=time.time()),
+                 settled=lambda base: not set(lost) & set(base.nodes))
+    if isinstance(out, str):
+        return ShrinkOutcome(lost, "failed", reason=out)
+    if out.how == NO_NEXT:
+        return _no_generation(lost, out.record, stores)
+    return _adopt(node_id, lost, out.record, wrote=out.how == WROTE)
+
+
+def drain_world(client: EtcdClient, keys: JobKeys, node_id: str, workers: GenerationId,
+                views: Iterable[WorldView], stores: Mapping[str, str],
+                deadline_s: float = 1.0) -> ShrinkOutcome:
+    """Agree the planned generation after ``workers`` without this draining node.
+
+    ``status`` ``ok``: the agreed record leaves ``node_id`` out (ours, or another writer's
+    that already does): hand it to our workers, who stop after the step the world agrees
+    while the others re-form. ``failed``: no drain in place (another change of our
+    workers' world is already agreed, no survivor, no store; ``reason``): the caller
+    drains by the restart path. Same bounds as ``shrink_world``.
+    """
+    me = (node_id,)
+    out = _agree(client, keys, workers, views, deadline_s,
+                 # Only from our workers' own world: a change of it agreed first is theirs
+                 # to take before anyone can leave it.
+                 make=lambda base: (generation.drain(base, me, stores, created=time.time())
+                                    if base.id == workers else None),
+                 settled=lambda base: node_id not in base.nodes)
+    if isinstance(out, str):
+        return ShrinkOutcome(me, "failed", reason=out)
+    if out.how == NO_NEXT:
+        return ShrinkOutcome(me, "failed", out.record, reason=(
+            "another change of our workers' world is agreed" if out.record.id != workers
+            else _no_survivor(me, out.record, stores)))
+    return ShrinkOutcome(me, "ok", out.record, wrote=out.how == WROTE)
+
+
+# How ``_agree`` ended: another writer's record already settles it; ours won the
+# compare-and-set; the base has no next generation (``make`` gave None).
+ADOPTED, WROTE, NO_NEXT = "adopted", "wrote", "no-next"
+
+
+@dataclass(frozen=True)
+class _Agreed:
+    record: GenerationRecord
+    how: str
+
+
+def _agree(client: EtcdClient, keys: JobKeys, workers: GenerationId, views: Iterable[WorldView],
+           deadline_s: float, make: Callable[[GenerationRecord], GenerationRecord | None],
+           settled: Callable[[GenerationRecord], bool]) -> _Agreed | str:
+    """The one compare-and-set loop both agreements run: the record newer than ``workers``
+    that ``settled`` accepts, once agreed (another writer's: ``ADOPTED``; ours: ``WROTE``),
+    the base when ``make`` has no next generation of it (``NO_NEXT``), or why neither (text)."""
     views = [v for v in views if v.generation.same_round(workers)]
     end = time.monotonic() + deadline_s
     with no_retry():
@@ -70,20 +128,18 @@ def shrink_world(client: EtcdClient, keys: JobKeys, node_id: str, lost: Iterable
             else:
                 base = current_world(views)
                 if base is None or base.id != workers:
-                    return ShrinkOutcome(lost, "failed", reason=(
-                        f"the nodes' records do not cover generation {workers}'s world"))
-            if base.id.newer_than(workers) and not set(lost) & set(base.nodes):
-                return _adopt(node_id, lost, base, wrote=False)   # another daemon was first
-            nxt = shrink(base, lost, stores, cause, created=time.time())
+                    return f"the nodes' records do not cover generation {workers}'s world"
+            if base.id.newer_than(workers) and settled(base):
+                return _Agreed(base, ADOPTED)   # another daemon was first
+            nxt = make(base)
             if nxt is None:
-                return _no_generation(lost, base, stores)
+                return _Agreed(base, NO_NEXT)
             won, _ = client.put_or_create(keys.generation, nxt.to_json().encode(),
                                           kv.mod_revision if kv is not None else None)
             if won:   # the caller's log line names it (the daemon's cycle, the companion's)
-                return _adopt(node_id, lost, nxt, wrote=True)
+                return _Agreed(nxt, WROTE)
             if time.monotonic() >= end:
-                return ShrinkOutcome(lost, "failed", reason="lost the compare-and-set until "
-                                                             "the deadline")
+                return "lost the compare-and-set until the deadline"
 
 
 def _adopt(node_id: str, lost: tuple[str, ...], record: GenerationRecord,
@@ -96,10 +152,14 @@ def _no_generation(lost: tuple[str, ...], base: GenerationRecord,
                    stores: Mapping[str, str]) -> ShrinkOutcome:
     if not set(lost) & set(base.nodes):
         return ShrinkOutcome(lost, "unneeded", base)
+    return ShrinkOutcome(lost, "failed", base, reason=_no_survivor(lost, base, stores))
+
+
+def _no_survivor(lost: tuple[str, ...], base: GenerationRecord, stores: Mapping[str, str]) -> str:
+    """Why ``base`` has no next generation without ``lost`` (``generation.shrink``'s None)."""
     survivors = [n for n in base.nodes if n not in lost]
-    reason = (f"no survivor's daemon publishes a store ({survivors[0]})" if survivors
-              and survivors[0] not in stores else "no survivors")
-    return ShrinkOutcome(lost, "failed", base, reason=reason)
+    return (f"no survivor's daemon publishes a store ({survivors[0]})" if survivors
+            and survivors[0] not in stores else "no survivors")
 
 
 def _parse(kv: KeyValue | None) -> GenerationRecord | None:

@@ -312,6 +312,7 @@ class EtcdV3RendezvousHandler(LeavesOnExit, dyn.DynamicRendezvousHandler):
         return False
 
     def next_rendezvous(self) -> RendezvousInfo:
+        self._leave_if_asked()
         if self.companion is not None:
             self.companion.leave_round()
         self._arm_leave_on_exit()
@@ -373,7 +374,7 @@ class EtcdV3RendezvousHandler(LeavesOnExit, dyn.DynamicRendezvousHandler):
         if success:
             return super().shutdown()
         self._stop_heartbeats()
-        warn_giving_up(node=repr(self._this_node))
+        warn_giving_up(self._asked_to_leave, node=repr(self._this_node))
         try:
             with no_retry():
                 self._op_executor.run(dyn._RendezvousExitOp(),

@@ -133,6 +133,7 @@ class KeyedRendezvousHandler(LeavesOnExit, RendezvousHandler):
         self._etcd(lambda: self._client.put(self._keys.rdzv_closed, b"{}", self._run_lease.id))
 
     def next_rendezvous(self) -> RendezvousInfo:
+        self._leave_if_asked()
         end = self._clock() + self._join_timeout_s
         if self.companion is not None:
             self.companion.leave_round()
@@ -212,7 +213,7 @@ class KeyedRendezvousHandler(LeavesOnExit, RendezvousHandler):
             except RendezvousConnectionError as exc:
                 log.warning("could not close the rendezvous", reason=str(exc))
         else:
-            warn_giving_up(agent=self.agent.name)
+            warn_giving_up(self._asked_to_leave, agent=self.agent.name)
         # Revoking the liveness lease removes this agent's liveness and join keys at once.
         self._alive.stop(revoke=True)
         self._alive_started = False

@@ -7,17 +7,25 @@ keep-alive ran out, and the others waited for it (measured without the daemon: a
 graceful SIGTERM cost the survivors 16.5 s). The interpreter still exits normally after
 that exception, so an ``atexit`` hook can leave, never close: the job goes on without
 this node. Both handlers (torch's rounds and keyed rounds) share this one rule.
+
+A node drained in place leaves the same way, before a round: its daemon creates the
+leave file (``ELASTICD_LEAVE_FILE``) before its workers stop, and torch's agent, which
+restarts a group whose workers exited, would otherwise join the next round and make
+every survivor restart its workers for it. ``_leave_if_asked`` leaves instead and ends
+the agent's run (``RendezvousGracefulExitError``, which torch's agent catches).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import sys
 
 import structlog
-from torch.distributed.elastic.rendezvous import RendezvousClosedError
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousGracefulExitError
 
+from elasticd.contract.settings import LEAVE_FILE_ENV
 from elasticd.etcd_client import deadline
 
 log = structlog.get_logger(__name__)
@@ -32,6 +40,20 @@ class LeavesOnExit:
 
     _leave_armed = False
     _has_left = False
+    _asked_to_leave: str | None = None   # the leave file that made this agent leave
+
+    def _leave_if_asked(self) -> None:
+        """At the start of ``next_rendezvous``: if this node's daemon drains it in place
+        (the leave file exists), leave the rendezvous (never close it) and end the agent's
+        run instead of joining a round."""
+        path = os.environ.get(LEAVE_FILE_ENV)
+        if not path or not os.path.exists(path):
+            return
+        self._asked_to_leave = path
+        self._leave_once(success=False)
+        raise RendezvousGracefulExitError(
+            f"this node is drained ({LEAVE_FILE_ENV}={path} exists): its agent leaves the "
+            "rendezvous instead of joining another round")
 
     def _arm_leave_on_exit(self) -> None:
         if not self._leave_armed:
@@ -61,8 +83,13 @@ class LeavesOnExit:
         raise NotImplementedError
 
 
-def warn_giving_up(**fields: str) -> None:
-    """The line of an agent that leaves without success (both handlers' ``_leave``)."""
+def warn_giving_up(asked: str | None = None, **fields: str) -> None:
+    """The line of an agent that leaves without success (both handlers' ``_leave``);
+    ``asked``: the leave file that made it leave (a drain in place: no warning)."""
+    if asked is not None:
+        log.info("this node is drained in place; leaving the rendezvous instead of joining "
+                 "another round", leave_file=asked, **fields)
+        return
     exc = sys.exc_info()[1]
     if isinstance(exc, RendezvousClosedError):
         # Nothing is left open for anyone: the run is over. The error's own text (what

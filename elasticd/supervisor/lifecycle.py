@@ -8,8 +8,9 @@ import statistics
 
 from elasticd.actions import Action, Kind, act
 from elasticd.contract.progress import WORKING
+from elasticd.contract.settings import IN_PLACE
 from elasticd.supervisor.journal import records_recovery
-from elasticd.supervisor.reform import left_out_while_draining
+from elasticd.supervisor.reform import left_out_while_draining, reform_bound_s
 from elasticd.supervisor.state import (
     Memory,
     Phase,
@@ -119,23 +120,46 @@ def drain_grace(now: float, policy: Policy, notice_deadline: float | None) -> fl
     return grace
 
 
+def drains_in_place(snap: Snapshot, mem: Memory, policy: Policy) -> bool:
+    """Whether this node can leave without stopping the others: in-place mode, workers in
+    a live world that report their generation (they take planned changes), and no other
+    change of that world under way. Else the drain stops every rank (a coordinated stop)
+    and torchrun restarts the others' workers in a round without this node."""
+    return (policy.recovery_mode == IN_PLACE and mem.phase is Phase.RUNNING
+            and agent_running(snap) and bool(snap.workers) and snap.generation is not None
+            and mem.life.step_at is not None and mem.reform.in_place is None
+            and mem.peer.isolated_since is None)
+
+
 def drain(snap: Snapshot, mem: Memory, policy: Policy):
     if mem.phase is Phase.DRAINING:
         return _draining(snap, mem, policy)
     if mem.life.drain_reason is None:
         return None
     grace = drain_grace(snap.now, policy, snap.notice_deadline)
-    mem = change_phase(mem, Phase.DRAINING, drain_deadline=snap.now + grace)
+    in_place = drains_in_place(snap, mem, policy)
+    mem = change_phase(mem, Phase.DRAINING, drain_deadline=snap.now + grace, drain_since=snap.now,
+                       drain_in_place=in_place)
     actions = [act(Kind.PUBLISH, fields={"state": "leaving"}),
-               act(Kind.JOURNAL, event="node-draining", fields={"reason": mem.life.drain_reason,
-                                                                 "grace_s": round(grace, 1)}),
-               act(Kind.NOTIFY, what="stopping"), act(Kind.TOUCH_STOP_FILE)]
-    if agent_running(snap):
-        actions.append(act(Kind.TERMINATE_AGENT))
-    return mem, actions, f"draining because {mem.life.drain_reason} (grace {grace:.0f} s)"
+               act(Kind.JOURNAL, event="node-draining", fields={
+                   "reason": mem.life.drain_reason, "grace_s": round(grace, 1), "in_place": in_place}),
+               act(Kind.NOTIFY, what="stopping")]
+    how = "in place" if in_place else "by a coordinated stop"
+    actions += ([act(Kind.DRAIN_IN_PLACE, generation=snap.generation)] if in_place
+                else _stop_every_rank(snap))
+    return mem, actions, f"draining because {mem.life.drain_reason} (grace {grace:.0f} s, {how})"
+
+
+def _stop_every_rank(snap: Snapshot) -> list[Action]:
+    """Today's drain: every rank's coordinated stop, and our agent's end."""
+    return [act(Kind.TOUCH_STOP_FILE)] + ([act(Kind.TERMINATE_AGENT)] if agent_running(snap) else [])
 
 
 def _draining(snap: Snapshot, mem: Memory, policy: Policy):
+    if mem.life.drain_in_place:
+        out = _draining_in_place(snap, mem, policy)
+        if out is not None:
+            return out
     actions: list[Action] = []
     if agent_running(snap):
         if not snap.workers and not mem.life.left_rdzv:
@@ -150,10 +174,44 @@ def _draining(snap: Snapshot, mem: Memory, policy: Policy):
 
     if not mem.life.left_rdzv:
         actions.append(act(Kind.LEAVE_RENDEZVOUS))
-    actions += [act(Kind.JOURNAL, event="node-left", fields={"step": snap.step}),
+    took = round(snap.now - mem.life.drain_since, 3) if mem.life.drain_since is not None else None
+    actions += [act(Kind.JOURNAL, event="node-left", fields={
+                    "step": snap.step, "drain_s": took, "in_place": mem.life.drain_in_place}),
                 act(Kind.DELETE_DRAIN_KEY)]
+    if took is not None:
+        actions.append(act(Kind.OBSERVE, metric="drain_seconds",
+                           label="in-place" if mem.life.drain_in_place else "coordinated-stop",
+                           value=took))
     return (change_phase(mem, Phase.STOPPED, left_rdzv=True), actions,
             "the agent stopped; leaving the job and exiting")
+
+
+def _draining_in_place(snap: Snapshot, mem: Memory, policy: Policy):
+    """The drain in place: the agreement's outcome, our workers' exit after the agreed
+    step (then our agent goes: it has nothing left to run, and the leave file keeps it
+    out of any round meanwhile), or the fall-back to every rank's coordinated stop when
+    the agreement fails or the workers outlast the re-form's bound."""
+    out = snap.drained
+    if out is not None:
+        if out.status == "ok":   # the executor's outcome names it in that cycle's line
+            return mem.but(generation_handed=out.record.id), [], ""
+        return _drain_by_stopping(snap, mem, out.reason or "no in-place generation")
+    if not agent_running(snap):
+        return None
+    if not snap.workers:
+        return mem.but(left_rdzv=True), [act(Kind.LEAVE_RENDEZVOUS), act(Kind.KILL_AGENT)], \
+            "our workers stopped after the agreed step; leaving the rendezvous"
+    waited = snap.now - mem.life.drain_since
+    if waited >= reform_bound_s(policy, mem, planned=True):
+        return _drain_by_stopping(snap, mem, f"our workers had not stopped {waited:.1f} s after "
+                                             "the drain began")
+    return None
+
+
+def _drain_by_stopping(snap: Snapshot, mem: Memory, reason: str):
+    return (mem.but(drain_in_place=False),
+            [act(Kind.COUNT, metric="in_place_recoveries", label="fallback"), *_stop_every_rank(snap)],
+            f"the drain in place fell back to a coordinated stop of every rank ({reason})")
 
 
 def agent_exited(snap: Snapshot, mem: Memory, policy: Policy):

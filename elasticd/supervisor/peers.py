@@ -180,8 +180,12 @@ def dead_peers(snap: Snapshot, mem: Memory, policy: Policy):
     if not mem.peer.dead or snap.now < mem.peer.evict_at:
         return None
     names = ", ".join(sorted(mem.peer.dead))
-    first = sorted(n for n, d in mem.peer.dead.items() if d.attempts == 0)
     tried = {n: replace(d, attempts=d.attempts + 1) for n, d in mem.peer.dead.items()}
+    new = sorted(n for n, d in mem.peer.dead.items() if d.attempts == 0)
+    # A peer our workers already re-formed without (it drained in place, or left during a
+    # re-form) costs them nothing when its record goes: its agent is still evicted, but
+    # that is no fault, no recovery to time and no second re-form.
+    first = [n for n in new if n not in mem.reform.reformed_without]
     mem = mem.but(evicting={**mem.peer.evicting, **tried}, dead={}, membership_changed_at=snap.now)
     if first:
         mem = begin_recovery(mem, f"peer-{tried[first[0]].how}", snap.now)
@@ -189,7 +193,10 @@ def dead_peers(snap: Snapshot, mem: Memory, policy: Policy):
     if records_loss(snap, mem, tried):
         actions += [act(Kind.JOURNAL, event="peer-lost", fields={"peer": n, "how": tried[n].how})
                     for n in first]
-    actions += [act(Kind.COUNT, metric="evictions", label=tried[n].how) for n in first]
+    actions += [act(Kind.COUNT, metric="evictions", label=tried[n].how) for n in new]
+    if new and not first:
+        return mem, actions, (f"peer(s) {names} gone, which our workers already re-formed "
+                              "without; evicting them from the rendezvous")
     if not first:
         return mem, actions, f"retrying the eviction of peer(s) {names}"
     tail = " and restarting the local workers" if mem.phase is Phase.RUNNING else ""

@@ -5,6 +5,7 @@ bound. The rules both paths share are ``elasticd.inplace``'s."""
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import replace
 
 from elasticd.actions import Action, Kind, act
@@ -17,6 +18,14 @@ from elasticd.supervisor.state import Death, InPlace, Memory, Phase, Policy, Sna
 # After a SHRINK the workers get their own bound plus this (their report's way to us)
 # before the daemon kills them (the restart path).
 IN_PLACE_SLACK_S = 2.0
+
+
+def reform_bound_s(policy: Policy, mem: Memory, planned: bool) -> float:
+    """How long an in-place change may take before the daemon gives up on it: the
+    workers' bound plus the slack; a planned one (a drain) is taken after the next step
+    the world agrees, so it also gets two median steps (0 before any step is timed)."""
+    steps = statistics.median(mem.life.intervals) if planned and mem.life.intervals else 0.0
+    return policy.recovery_bound_s + IN_PLACE_SLACK_S + 2 * steps
 
 
 def _in_place_fallback(snap: Snapshot, mem: Memory, reason: str,
@@ -44,7 +53,8 @@ def _in_place_done(snap: Snapshot, mem: Memory) -> tuple[Memory, list[Action], s
               "generation": str(snap.generation), "fault": ip.fault, "lost": list(ip.lost)}
     mem = mem.but(in_place=None, recovering=None,
                   reformed_without=mem.reform.reformed_without | frozenset(ip.lost))
-    actions = [act(Kind.OBSERVE, metric="recovery_seconds", label="in-place", value=took),
+    label = f"{ip.fault}-in-place" if ip.planned else "in-place"
+    actions = [act(Kind.OBSERVE, metric="recovery_seconds", label=label, value=took),
                act(Kind.COUNT, metric="in_place_recoveries", label="ok")]
     if records_recovery(snap, ip.fault):
         actions.insert(0, act(Kind.JOURNAL, event="recovered-in-place", fields=fields))
@@ -67,7 +77,7 @@ def in_place(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[
     if ip.agreed and snap.workers != mem.life.workers:
         return _in_place_fallback(snap, mem, "workers-exited")
     waited = snap.now - ip.since
-    if waited < policy.recovery_bound_s + IN_PLACE_SLACK_S:
+    if waited < reform_bound_s(policy, mem, ip.planned):
         return mem, [], ""
     mem, actions, note = _in_place_fallback(snap, mem, "timeout")
     if snap.workers:
@@ -120,13 +130,16 @@ def generation_news(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory
             or mem.phase is not Phase.RUNNING or not rec.id.newer_than(gen) or _handed(mem, rec.id)):
         return mem, [], ""
     if mem.reform.in_place is None:
-        mem = mem.but(in_place=InPlace(rec.lost, snap.now, gen, rec.cause or "peer-lost"),
+        mem = mem.but(in_place=InPlace(rec.lost, snap.now, gen, rec.cause or "peer-lost",
+                                       planned=rec.planned),
                       membership_changed_at=snap.now)
     if rec.member(snap.node_id) is None:
         return _fenced_out(snap, mem, rec)
     mem = mem.but(generation_handed=rec.id, in_place=replace(mem.reform.in_place, agreed=True))
-    return mem, [act(Kind.WRITE_GENERATION, record=rec)], \
-        f"generation {rec.id} was agreed without {', '.join(rec.lost) or '-'}; handing it to our workers"
+    when = " (they take it after the step the world agrees)" if rec.planned else ""
+    return mem, [act(Kind.WRITE_GENERATION, record=rec)], (
+        f"generation {rec.id} was agreed without {', '.join(rec.lost) or '-'}; handing it to "
+        f"our workers{when}")
 
 
 def publish_world(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:

@@ -158,6 +158,7 @@ class Snapshot:
     world: WorldView | None = None         # ... their world as this node publishes it ...
     reform: Reform | None = None           # ... and a re-form's report
     shrink: ShrinkOutcome | None = None    # the last SHRINK's outcome
+    drained: ShrinkOutcome | None = None   # the last DRAIN_IN_PLACE's outcome
     generation_record: GenerationRecord | None = None  # etcd: the agreed generation
     worker_error: str | None = None        # agent log: the workers' newest exception line
 
@@ -178,6 +179,9 @@ class InPlace:
     base: GenerationId        # our workers' generation when the loss was decided
     fault: str                # peer-crashed | peer-silent | peer-left
     agreed: bool = False      # a record naming us was agreed and handed to the workers
+    # A planned change (a peer's drain): the workers take it after the next step the world
+    # agrees, so their report may come a step or two later than a loss's.
+    planned: bool = False
 
 
 @dataclass(frozen=True)
@@ -198,6 +202,10 @@ class Lifecycle:
     intervals: tuple[float, ...] = ()      # recent step intervals (hang bound)
     drain_reason: str | None = None
     drain_deadline: float | None = None
+    drain_since: float | None = None       # when the drain began
+    # The drain runs in place (lifecycle.drains_in_place): our workers stop after the step
+    # the world agrees and the others re-form without them; False once it falls back.
+    drain_in_place: bool = False
     left_rdzv: bool = False
     reopen_at: float = 0.0                 # earliest retry of a reopen
     completed_seen_at: float | None = None

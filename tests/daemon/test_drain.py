@@ -50,15 +50,33 @@ def _assert_zero_steps_lost(leaver: DaemonNode, survivors: list[DaemonNode], sin
     return step
 
 
-def _drain_and_check(leaver, survivors, nodes, trigger) -> None:
+def _assert_left_in_place(leaver: DaemonNode, survivors: list[DaemonNode], since: float) -> int:
+    """The leaver's workers stopped after the agreed step S (``left``); every survivor
+    re-formed in place after that same step, without its workers restarting."""
+    stopped = [e for e in agent_events(leaver, "stopped") if e["time"] > since]
+    assert stopped and {e["stop_reason"] for e in stopped} == {"left"}, stopped
+    step = stopped[-1]["step"]
+    for node in survivors:
+        reformed = [e for e in agent_events(node, "reformed") if e["time"] > since]
+        assert [(e["step"], e["cause"], e["lost"]) for e in reformed] == [
+            (step, "drain", [leaver.name])] * len(reformed) and reformed, (node.name, reformed)
+        assert not [e for e in agent_events(node, "resumed") if e["time"] > since], node.name
+        sentences = [e["event"] for e in log_lines(node)]
+        assert any("re-formed in place" in s and "after a drain" in s for s in sentences), sentences
+    return step
+
+
+def _drain_and_check(leaver, survivors, nodes, trigger, in_place: bool = True) -> None:
     wait_for(lambda: stepping_at([leaver, *survivors], 3, 0), 120, "world of 3", nodes)
     start = time.time()
     trigger()
     assert leaver.proc.wait(timeout=90) == 0, leaver.log_tail()
     wait_for(lambda: stepping_at(survivors, 2, start), 60, "world 2 after the drain", nodes)
-    step = _assert_zero_steps_lost(leaver, survivors, start)
+    check = _assert_left_in_place if in_place else _assert_zero_steps_lost
+    step = check(leaver, survivors, start)
     events = [e["event"] for e in log_lines(leaver)]
-    assert any(e.startswith("draining because") for e in events)
+    how = "in place" if in_place else "by a coordinated stop"
+    assert any(e.startswith("draining because") and how in e for e in events), events
     assert "the agent stopped; leaving the job and exiting" in events
     assert step > 0
 
@@ -67,13 +85,23 @@ def _rank_nonzero(nodes):
     return next(n for n in nodes if n.progress()["rank"] != 0)
 
 
-def test_sigterm_drains_with_zero_steps_lost(etcd_server, cluster):
+def test_sigterm_drains_in_place_with_zero_steps_lost(etcd_server, cluster):
     add, nodes = cluster
     trio = [add(n, etcd_server.endpoint) for n in "abc"]
     wait_for(lambda: stepping_at(trio, 3, 0), 120, "world of 3", nodes)
     leaver = _rank_nonzero(trio)
     rest = [n for n in trio if n is not leaver]
     _drain_and_check(leaver, rest, nodes, lambda: leaver.proc.send_signal(signal.SIGTERM))
+
+
+def test_a_drain_in_restart_mode_stops_every_rank_with_zero_steps_lost(etcd_server, cluster):
+    add, nodes = cluster
+    trio = [add(n, etcd_server.endpoint, recovery="restart") for n in "abc"]
+    wait_for(lambda: stepping_at(trio, 3, 0), 120, "world of 3", nodes)
+    leaver = _rank_nonzero(trio)
+    rest = [n for n in trio if n is not leaver]
+    _drain_and_check(leaver, rest, nodes, lambda: leaver.proc.send_signal(signal.SIGTERM),
+                     in_place=False)
 
 
 @pytest.mark.slow

@@ -13,7 +13,9 @@ Time is the fake clock. Every test asserts an effect another component sees: a k
 etcd, a file, a datagram, a signal sent, a metric, a field of the ``Snapshot``.
 
 Not here: ``SHRINK`` (``inplace.agreement.shrink_world`` agrees a generation among the daemons'
-TCP stores; see tests/daemon/test_recovery.py and the in-place runs).
+TCP stores; see tests/daemon/test_recovery.py and the in-place runs). ``DRAIN_IN_PLACE`` is
+here, on the real agreement: its effects are the record in etcd, the workers' file, the
+leave file and the exit barrier's release.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from elasticd.errors import EtcdUnavailable
 from elasticd.journal import Journal, recent_events
 from elasticd.membership import Membership, Peer
 from elasticd.observer import JobReader
+from elasticd.rendezvous.admin import exit_barrier_key
 from elasticd.rendezvous.rounds import Agent, World, encode_pointer
 from elasticd.sdnotify import SystemdNotifier
 from elasticd.supervisor import Decision, Eviction, Memory, PeerView
@@ -343,6 +346,7 @@ def test_start_agent_starts_torchrun_and_publishes_and_journals_its_pid(daemon, 
     FakeAgentProcess.made.clear()
     monkeypatch.setattr(daemon_module, "AgentProcess", FakeAgentProcess)
     daemon.files.stop.touch()                         # the last life's coordinated stop
+    daemon.files.leave.touch()                        # ... and drain in place
     daemon.worker_errors.last = "RuntimeError: the last life's cause"
     run(daemon, Kind.START_AGENT)
     [agent] = FakeAgentProcess.made
@@ -351,12 +355,59 @@ def test_start_agent_starts_torchrun_and_publishes_and_journals_its_pid(daemon, 
     assert agent.log_path == daemon.files.agent_log
     assert WorkerSettings.from_env(agent.env).node_id == "a"
     assert not daemon.files.stop.exists()             # the new workers must not stop at once
+    assert not daemon.files.leave.exists()            # ... nor the new agent leave
     assert daemon.worker_errors.last is None
     record = get_json(client, keys.node("a"))
     assert (record["state"], record["agent_pid"]) == ("running", AGENT_PID)
     [entry] = recent_events(client, keys)
     assert (entry["kind"], entry["agent_pid"]) == ("agent-started", AGENT_PID)
     assert daemon.metrics.registry.get_sample_value("elasticd_agent_starts_total") == 1
+
+
+# -- the drain in place --------------------------------------------------------------------
+
+def _world_of_two(daemon, client, keys, gen: GenerationId) -> None:
+    """Our workers (ranks 0-1) and b's (ranks 2-3) in ``gen``, both daemons with a store."""
+    write_progress(daemon, event="step", step=7, world_size=4, rank=0, local_world_size=2,
+                   generation=gen.as_dict())
+    put_json(client, keys.node("b"), {
+        "state": "running", "agent_pid": 77, "addr": PEER_ADDR, "store": f"{PEER_ADDR}:29601",
+        "world": WorldView("b", gen, 2, 2, 4).to_record()})
+    client.put(keys.rdzv_round, encode_pointer(World(gen.round, (Agent(ADDR, AGENT_PID),
+                                                                  Agent(PEER_ADDR, 77)))))
+    daemon.observe()   # lists b's record
+
+
+def test_drain_in_place_agrees_hands_over_and_keeps_the_agent_out_of_later_rounds(daemon, client,
+                                                                                   keys):
+    gen = GenerationId(3, 0, "e")
+    _world_of_two(daemon, client, keys, gen)
+    told = WorkerSettings.from_env(worker_env(daemon.config, daemon.files, base={})).leave_file
+    assert told == str(daemon.files.leave) and not os.path.exists(told)
+    with capture_logs():
+        out = daemon._execute(act(Kind.DRAIN_IN_PLACE, generation=gen))
+    assert not out.failed and "without this node" in out.text, out
+    record = GenerationRecord.from_json(client.get(keys.generation).value)
+    assert record.nodes == ("b",) and record.planned and record.lost == ("a",)
+    assert record.store == f"{PEER_ADDR}:29601"   # b is the new rank 0
+    assert generation.read_file(str(daemon.files.generation)) == record
+    assert os.path.exists(told)                   # the agent joins no further round
+    assert client.get(exit_barrier_key(keys, gen.round)) is not None
+    snap = daemon.observe()
+    assert snap.drained.status == "ok" and snap.drained.record == record
+    assert daemon.observe().drained is None       # one snapshot
+
+
+def test_a_drain_without_survivors_is_a_failed_outcome_and_touches_nothing(daemon, client, keys):
+    gen = GenerationId(3, 0, "e")
+    write_progress(daemon, event="step", step=7, world_size=2, rank=0, local_world_size=2,
+                   generation=gen.as_dict())
+    daemon.observe()   # reads it
+    out = daemon._execute(act(Kind.DRAIN_IN_PLACE, generation=gen))
+    assert out.failed and "no survivors" in out.text
+    assert client.get(keys.generation) is None and not daemon.files.leave.exists()
+    assert not daemon.files.generation.exists()
+    assert daemon.observe().drained.status == "failed"
 
 
 # -- local executors -------------------------------------------------------------------------

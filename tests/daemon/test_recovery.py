@@ -14,7 +14,7 @@ from elasticd.contract.generation import GenerationId, GenerationRecord, WorldVi
 from elasticd.contract.progress import Reform, parse_progress
 from elasticd.errors import EtcdError
 from elasticd.etcd_client import EtcdClient, EtcdSettings
-from elasticd.inplace.agreement import shrink_world
+from elasticd.inplace.agreement import drain_world, shrink_world
 from elasticd.inplace.store import StoreHost
 from elasticd.membership import parse_record
 from elasticd.observer import JobReader
@@ -118,6 +118,51 @@ def test_etcd_down_raises_for_the_callers_fallback():
     with pytest.raises(EtcdError):
         shrink_as(down, JobKeys("j"), "a")
     down.close()
+
+
+# -- a drain in place: the leaver's daemon agrees a planned record without itself ---------
+
+def drain_as(client, keys, node, views=VIEWS, stores=STORES, workers=G):
+    return drain_world(client, keys, node, workers, views, stores, deadline_s=2.0)
+
+
+def test_a_drain_writes_a_planned_record_without_the_leaver(client, keys):
+    out = drain_as(client, keys, "b")
+    assert (out.status, out.wrote) == ("ok", True)
+    assert out.record == agreed(client, keys)
+    assert out.record.id == G.next() and out.record.nodes == ("a", "c")
+    assert out.record.planned and out.record.cause == "drain" and out.record.lost == ("b",)
+    assert out.record.store == STORES["a"]
+
+
+def test_the_rank_0_node_drains_and_the_store_moves_to_the_next(client, keys):
+    out = drain_as(client, keys, "a")
+    assert out.status == "ok" and out.record.members[0].node == "b"
+    assert out.record.store == STORES["b"]
+
+
+def test_a_repeated_drain_adopts_its_own_record(client, keys):
+    first = drain_as(client, keys, "b")
+    again = drain_as(client, keys, "b")
+    assert (again.status, again.wrote, again.record) == ("ok", False, first.record)
+
+
+def test_a_drain_does_not_stack_on_a_change_agreed_first(client, keys):
+    """A loss agreed first (c crashed) is our workers' to take before anyone leaves their
+    world: a drain on top of it would be two generations ahead of them."""
+    shrink_as(client, keys, "a", lost=("c",))
+    out = drain_as(client, keys, "b")
+    assert out.status == "failed" and "another change" in out.reason
+    assert agreed(client, keys).id == G.next()   # the loss's record, untouched
+
+
+def test_no_drain_in_place_of_the_last_node_or_without_a_store(client, keys):
+    alone = [WorldView("a", G, 0, 1, 1)]
+    out = drain_as(client, keys, "a", views=alone)
+    assert out.status == "failed" and out.reason == "no survivors"
+    out = drain_as(client, keys, "a", stores={"a": STORES["a"]})
+    assert out.status == "failed" and "store" in out.reason
+    assert client.get(keys.generation) is None
 
 
 # -- the store each daemon hosts ---------------------------------------------------------

@@ -37,6 +37,7 @@ from elasticd.supervisor import (
     records_recovery,
     restart_cause,
 )
+from elasticd.supervisor.reform import IN_PLACE_SLACK_S
 
 POLICY = Policy(backoff_initial_s=1.0, backoff_max_s=8.0, crash_loop_failures=3,
                 crash_loop_window_s=100.0, completion_grace_s=30.0, kill_grace_s=2.0,
@@ -471,7 +472,7 @@ def test_drain_request_starts_draining():
     assert out.kinds() == [Kind.PUBLISH, Kind.JOURNAL, Kind.NOTIFY, Kind.TOUCH_STOP_FILE,
                            Kind.TERMINATE_AGENT]
     assert out.actions[0]["fields"] == {"state": "leaving"}
-    assert out.reason == "draining because SIGTERM was received (grace 60 s)"
+    assert out.reason == "draining because SIGTERM was received (grace 60 s, by a coordinated stop)"
 
 
 def test_a_notice_deadline_shortens_the_drain_grace():
@@ -512,7 +513,9 @@ def test_draining_finishes_when_the_agent_is_gone():
     draining = d(live(drain_request="x")).memory.but(left_rdzv=True)
     out = d(snap(agent_pid=AGENT, agent_exit=75, drain_request="x", step=40), draining)
     assert out.phase is Phase.STOPPED
-    assert out.kinds() == [Kind.JOURNAL, Kind.DELETE_DRAIN_KEY]
+    assert out.kinds() == [Kind.JOURNAL, Kind.DELETE_DRAIN_KEY, Kind.OBSERVE]
+    assert out.actions[0]["fields"] == {"step": 40, "drain_s": 0.0, "in_place": False}
+    assert out.actions[2]["label"] == "coordinated-stop"
     not_left = d(snap(agent_pid=AGENT, agent_exit=75, drain_request="x"), draining.but(left_rdzv=False))
     assert not_left.kinds()[0] is Kind.LEAVE_RENDEZVOUS
 
@@ -1164,6 +1167,125 @@ def test_a_draining_node_left_out_of_the_next_generation_kills_its_workers_once(
     assert d(live(generation=G, generation_record=REC, node_id="a"), draining, INPLACE).actions == ()
     assert d(live(generation=G1, generation_record=REC_WITHOUT_US, node_id="a"), draining,
              INPLACE).actions == ()
+
+
+# -- a drain in place (issue 26): the leaver's side -----------------------------------------
+
+def _stepping(**kw) -> Snapshot:
+    """Workers of generation G in a live world, as a drain in place needs them."""
+    kw.setdefault("generation", G)
+    kw.setdefault("node_id", "a")
+    kw.setdefault("step", 10)
+    return live(**kw)
+
+
+STEPPED = RUNNING.but(step=10, step_at=T - 0.1, intervals=(0.1, 0.1, 0.1))
+DRAINED = GenerationRecord(G1, renumber([("b", 2)]), "127.0.0.1:29601", ("a",), "drain",
+                           planned=True)
+
+
+def _drain_ok(**kw):
+    return ShrinkOutcome(("a",), "ok", DRAINED, **kw)
+
+
+def test_a_drain_in_place_agrees_a_generation_instead_of_stopping_every_rank():
+    out = d(_stepping(drain_request="SIGTERM was received"), STEPPED, INPLACE)
+    assert out.phase is Phase.DRAINING and out.memory.life.drain_in_place
+    assert out.kinds() == [Kind.PUBLISH, Kind.JOURNAL, Kind.NOTIFY, Kind.DRAIN_IN_PLACE]
+    assert out.actions[3]["generation"] == G
+    assert out.actions[1]["fields"]["in_place"] is True
+    assert out.reason == "draining because SIGTERM was received (grace 60 s, in place)"
+
+
+@pytest.mark.parametrize("why, s, m, policy", [
+    ("restart mode", _stepping(), STEPPED, POLICY),
+    ("no generation reported", _stepping(generation=None), STEPPED, INPLACE),
+    ("not stepped since the workers started", _stepping(step=None), RUNNING, INPLACE),
+    ("a re-form under way", _stepping(), STEPPED.but(in_place=InPlace(("b",), T, G, "peer-crashed")),
+     INPLACE),
+    ("no workers", _stepping(workers=frozenset()), STEPPED, INPLACE),
+])
+def test_a_drain_stops_every_rank_where_it_cannot_run_in_place(why, s, m, policy):
+    out = d(replace(s, drain_request="x"), m, policy)
+    assert Kind.DRAIN_IN_PLACE not in out.kinds() and Kind.TOUCH_STOP_FILE in out.kinds(), why
+    assert not out.memory.life.drain_in_place
+
+
+def _draining_in_place():
+    return d(_stepping(drain_request="x"), STEPPED, INPLACE).memory
+
+
+def test_the_drain_outcome_marks_the_record_handed_so_it_is_not_taken_for_a_fencing():
+    m = d(_stepping(now=T + 0.1, drain_request="x", drained=_drain_ok(wrote=True)),
+          _draining_in_place(), INPLACE).memory
+    assert m.reform.generation_handed == G1
+    # The record, once etcd's view shows it, does not kill our workers (they stop by themselves).
+    out = d(_stepping(now=T + 1, drain_request="x", generation_record=DRAINED), m, INPLACE)
+    assert out.actions == () and out.phase is Phase.DRAINING
+
+
+def test_our_workers_gone_after_the_agreed_step_ends_the_agent():
+    m = d(_stepping(now=T + 0.1, drain_request="x", drained=_drain_ok()), _draining_in_place(),
+          INPLACE).memory
+    out = d(_stepping(now=T + 0.4, drain_request="x", workers=frozenset()), m, INPLACE)
+    assert out.kinds() == [Kind.LEAVE_RENDEZVOUS, Kind.KILL_AGENT]
+    assert "stopped after the agreed step" in out.reason
+    done = d(snap(now=T + 0.5, agent_pid=AGENT, agent_exit=-9, drain_request="x", step=12),
+             out.memory, INPLACE)
+    assert done.phase is Phase.STOPPED
+    assert done.kinds() == [Kind.JOURNAL, Kind.DELETE_DRAIN_KEY, Kind.OBSERVE]
+    assert done.actions[0]["fields"] == {"step": 12, "drain_s": 0.5, "in_place": True}
+    assert done.actions[2]["label"] == "in-place"
+
+
+def test_a_failed_drain_agreement_falls_back_to_every_ranks_stop():
+    failed = ShrinkOutcome(("a",), "failed", reason="no survivors")
+    out = d(_stepping(now=T + 0.1, drain_request="x", drained=failed), _draining_in_place(), INPLACE)
+    assert out.kinds() == [Kind.COUNT, Kind.TOUCH_STOP_FILE, Kind.TERMINATE_AGENT]
+    assert "fell back to a coordinated stop" in out.reason and "no survivors" in out.reason
+    assert not out.memory.life.drain_in_place
+    # From then on it is the coordinated stop's drain.
+    later = d(_stepping(now=T + 60, drain_request="x"), out.memory, INPLACE)
+    assert later.kinds() == [Kind.KILL_AGENT]
+
+
+def test_workers_that_outlast_the_bound_fall_back_to_every_ranks_stop():
+    m = d(_stepping(now=T + 0.1, drain_request="x", drained=_drain_ok()), _draining_in_place(),
+          INPLACE).memory
+    bound = INPLACE.recovery_bound_s + IN_PLACE_SLACK_S + 2 * 0.1
+    assert d(_stepping(now=T + bound - 0.01, drain_request="x"), m, INPLACE).actions == ()
+    out = d(_stepping(now=T + bound, drain_request="x"), m, INPLACE)
+    assert Kind.TOUCH_STOP_FILE in out.kinds() and "had not stopped" in out.reason
+
+
+# -- a drain in place: the others' side ---------------------------------------------------
+
+def test_a_peers_planned_record_is_handed_over_and_timed_with_its_step_boundary():
+    peer_drained = GenerationRecord(G1, renumber([("a", 2)]), "127.0.0.1:29600", ("b",), "drain",
+                                    planned=True)
+    out = d(_stepping(generation_record=peer_drained), STEPPED, INPLACE)
+    assert out.kinds() == [Kind.WRITE_GENERATION]
+    assert "after the step the world agrees" in out.reason
+    ip = out.memory.reform.in_place
+    assert ip.planned and ip.fault == "drain" and ip.lost == ("b",)
+    bound = INPLACE.recovery_bound_s + IN_PLACE_SLACK_S + 2 * 0.1
+    assert d(_stepping(now=T + bound - 0.01), out.memory, INPLACE).actions == ()
+    done = d(_stepping(now=T + 0.3, generation=G1, rank0_here=True), out.memory, INPLACE)
+    assert "re-formed in place as generation 3.1" in done.reason and "after a drain" in done.reason
+    observed = next(a for a in done.actions if a.kind is Kind.OBSERVE)
+    assert observed["label"] == "drain-in-place"
+
+
+def test_a_drained_peers_departure_is_no_fault_for_workers_that_re_formed_without_it():
+    reformed = STEPPED.but(reformed_without=frozenset({"b"}))
+    leaving = replace(B, state="leaving")
+    out = d(_stepping(departed=(leaving,)), reformed, INPLACE)
+    assert out.kinds() == [Kind.EVICT, Kind.COUNT]                  # no SHRINK, no peer-lost
+    assert out.memory.life.recovering is None                       # nothing to time
+    assert "already re-formed without" in out.reason
+    # A peer they did not re-form without is still a loss.
+    lost = d(_stepping(departed=(leaving,)), STEPPED, INPLACE)
+    assert Kind.SHRINK in lost.kinds() and lost.memory.life.recovering is not None
 
 
 # -- the phase table ---------------------------------------------------------------------

@@ -11,10 +11,12 @@ import pytest
 from structlog.testing import capture_logs
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
+    RendezvousGracefulExitError,
     RendezvousParameters,
     RendezvousTimeoutError,
 )
 
+from elasticd.contract.settings import LEAVE_FILE_ENV
 from elasticd.errors import ConfigError
 from elasticd.rendezvous import admin
 from elasticd.rendezvous.handler import create_handler, parse_params
@@ -141,6 +143,37 @@ def test_only_a_successful_shutdown_closes_the_rendezvous(make, job_id):
     with pytest.raises(RendezvousClosedError, match=f"is closed: a run with this id completed.*"
                                                     f"del --prefix /elasticd/{job_id}/$"):
         make(3).next_rendezvous()
+
+
+@pytest.mark.parametrize("rounds", ["keyed", "torch"])
+def test_a_drained_node_leaves_instead_of_joining_and_nobody_waits_for_it(make, etcd_server, job_id,
+                                                                          client, tmp_path,
+                                                                          monkeypatch, rounds):
+    """The daemon drains its node in place: once its workers stop, torch's agent would join
+    the next round (and every survivor would restart its workers for the "waiting" node).
+    With the leave file it leaves, ends its run, and never closes the rendezvous."""
+    leave = tmp_path / "leave"
+    monkeypatch.setenv(LEAVE_FILE_ENV, str(leave))
+    if rounds == "keyed":
+        stay, drained = make(0), make(1)
+        rendezvous_all([stay, drained])
+    else:
+        stay = drained = create_handler(RendezvousParameters(
+            "etcd3", etcd_server.endpoint, job_id, 1, 2, local_addr="127.0.0.9", rounds="torch",
+            last_call_timeout="1"))
+        drained.next_rendezvous()                  # no file yet: an ordinary round
+    leave.touch()
+    with capture_logs() as logs, pytest.raises(RendezvousGracefulExitError, match="drained"):
+        drained.next_rendezvous()
+    assert any(e["event"].startswith("this node is drained in place") for e in logs), logs
+    assert not [e for e in logs if e["log_level"] == "warning"], logs
+    drained.shutdown()                             # torch's launcher still calls it: a no-op
+    assert not stay.is_closed()
+    if rounds == "keyed":
+        keys = JobKeys(job_id)
+        assert client.get(f"{keys.rdzv_alive}{drained.agent.name}") is None   # left
+        assert client.count_prefix(keys.rdzv_joins(stay.world.round + 1)) == 0  # joined nothing
+        assert stay.num_nodes_waiting() == 0
 
 
 @pytest.mark.process
