@@ -49,6 +49,10 @@ Measures, per run:
 * settle (elasticd): the new world is watched for 6 s after its first step; if its workers
   exit in that window (a restart after all), the run says when, and the steps that
   restart lost (its last step minus the step it resumed) count as lost too;
+* drain: also the pause, from the drained node's workers' ``stopped`` line (they stop
+  after the last step of the world of 3, which every rank completes) to the first step of
+  the world of 2: the time the job does not train (until the stop it kept training, in
+  place and by a coordinated stop alike);
 * join: the pause, from the last completed step of the world of 2 to the first of the
   world of 3 (the time the job does not train), and the time from the new node's start;
   steps lost = the last step of the world of 2 minus the step the world of 3 resumed from;
@@ -550,6 +554,10 @@ def summarize_run(bench: Bench, victim: Node, w: Watch, ct_offset: float) -> dic
         out["recovery_s"] = round(w.first["time"] - w.t_fault, 3)
         out["first_step"] = w.first["step"]
         out["steps_lost"] = w.old_step - cont if cont is not None else None
+        stops = [t for r in victim.worker_events("stopped")
+                 if (t := record_time(r)) is not None and w.t_fault < t <= w.first["time"]]
+        if stops:   # a drain: the victim's workers stopped after the old world's last step
+            out["pause_s"] = round(w.first["time"] - max(stops), 3)
     out["rendezvous_log"] = rendezvous_messages(bench.nodes, w.t_fault, t_end)
     return out
 
@@ -707,6 +715,8 @@ def summarize_cells(runs: list[dict]) -> dict[str, dict[str, dict]]:
             cell["reform_s"] = _stats([r["reform"]["duration_s_max"] for r in ok
                                        if (r.get("reform") or {}).get("duration_s_max") is not None])
             cell["join_s"] = _stats([r["join_s"] for r in ok if "join_s" in r])
+            cell["pause_s"] = _stats([r["pause_s"] for r in ok if "pause_s" in r])
+            cell["pause_all_s"] = [r["pause_s"] for r in ok if "pause_s" in r]
             settled = [r.get("settle") or (r.get("shrink") or {}).get("settle") for r in ok]
             cell["settle_exits_s"] = [x["workers_exited_after_s"] for x in settled
                                       if x and x["workers_exited_after_s"] is not None]
@@ -729,6 +739,9 @@ def cell_text(cell: dict) -> str:
         if lost:
             span = "" if lost["min"] == lost["max"] else f" ({lost['min']:.0f}–{lost['max']:.0f})"
             parts.append(f"{lost['median']:.0f}{span} steps lost")
+        pause = cell.get("pause_s")
+        if pause:
+            parts.append(f"pause {pause['median']:.2f} s ({pause['min']:.2f}–{pause['max']:.2f})")
         if cell.get("settle_exits_s"):
             parts.append(f"**then restarted by itself** at {cell['settle_exits_s']} s after the fault "
                          f"[{len(cell['settle_exits_s'])}/{n} runs; steps lost then "
@@ -760,7 +773,9 @@ def markdown(report: dict) -> str:
               "to the first completed step of the new world of 2 (join: the pause, from the last "
               "step of the world of 2 to the first of the world of 3); steps lost: last step of the "
               "old world minus the step the new world continued from (restart: the checkpoint it "
-              "resumed; in place: the step the survivors held at the re-form).", ""]
+              "resumed; in place: the step the survivors held at the re-form); drain's pause: from "
+              "the drained node's workers' stop, after the old world's last step, to the new "
+              "world's first step (the time the job does not train).", ""]
     lines += _targets(report)
     lines += _milestone_table(report, systems, rows)
     lines += _cpu_table(report, systems)
@@ -809,6 +824,8 @@ TARGETS = (
     ("join", "d", 3.0, "restart path: join after an in-place shrink (the pause) <= 3 s"),
     ("join", "c", 3.0, "restart path: join after a restart-mode shrink (the pause) <= 3 s"),
 )
+# A drain in place (issue 26): the pause it costs the others, median.
+DRAIN_PAUSE_TARGET_S = 0.5
 # In-place figures must not grow with the heavy script: allowed growth of the median.
 HEAVY_SLACK_S = 0.25
 
@@ -839,6 +856,12 @@ def _targets(report: dict) -> list[str]:
             lines.append(f"- in place: 0 steps lost, {row}: {lost}"
                          + (f", then {later} when the new world was restarted" if later else "")
                          + f": {_verdict(ok)}")
+    drain = cells.get("drain", {}).get("d")
+    if drain and drain.get("pause_s"):
+        pause = drain["pause_s"]
+        lines.append(f"- in place: a drain pauses the others <= {DRAIN_PAUSE_TARGET_S} s: median "
+                     f"{pause['median']:.2f} s (range {pause['min']:.2f}–{pause['max']:.2f}, "
+                     f"{pause['n']} runs): {_verdict(pause['median'] <= DRAIN_PAUSE_TARGET_S)}")
     for row in [r for r in cells if r.endswith("@heavy")]:
         light, heavy = cells.get(row.split("@")[0], {}).get("d"), cells[row].get("d")
         if light and heavy and light["recovery_s"] and heavy["recovery_s"]:

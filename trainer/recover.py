@@ -73,10 +73,16 @@ class InPlace:
 
     def install_guard(self) -> None:
         """In in-place mode, every collective waits through a guard that the daemon's next
-        generation releases (the silent-peer case: nothing else would release it)."""
+        generation releases (the silent-peer case: nothing else would release it).
+
+        Also freezes what exists by then (torch's modules, the model, the optimizer: ~170k
+        objects) out of the cyclic collector, so that ``release_old``'s collection after a
+        re-form scans only what was made since: it took 0.29 s of a drain's 0.39 s pause
+        under load, where nothing else of the re-form took over 0.03 s."""
         ctx = self.es.ctx
         if not ctx.in_place:
             return
+        gc.freeze()
         assert ctx.generation_file is not None and ctx.generation_id is not None
         watch = inplace.GenerationWatch(ctx.generation_file, ctx.generation_id)
 

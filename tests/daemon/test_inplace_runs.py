@@ -104,6 +104,37 @@ def test_a_crashed_node_is_recovered_in_place(job, tmp_path, victim_rank0):
     assert sorted(status["world_members"]) == sorted(n.name for n in survivors), status
 
 
+@pytest.mark.parametrize("leaver_rank0", [pytest.param(False, id="node", marks=pytest.mark.compat),
+                                          pytest.param(True, id="rank0-node")])
+def test_a_drained_node_leaves_in_place_and_nobody_restarts(job, tmp_path, leaver_rank0):
+    """Issue 26: SIGTERM to a daemon drains its node in place. Its workers stop after the
+    step the world agrees (rank 0 commits it), the others re-form at that step without
+    a restart, the leaver exits 0, and the whole run matches the replay (each sample once
+    per epoch, no step lost or done twice)."""
+    add, nodes = job
+    final = 90
+    three = _three(add, final)
+    leaver = by_rank(three, leaver_rank0)
+    survivors = [n for n in three if n is not leaver]
+    since = time.time()
+    leaver.proc.send_signal(signal.SIGTERM)
+    assert leaver.proc.wait(timeout=60) == 0, leaver.log_tail()
+    (stopped,) = [e for e in agent_events(leaver, "stopped") if e["time"] > since]
+    assert stopped["stop_reason"] == "left"
+    completed(survivors)
+    for node in survivors:
+        (reformed,) = agent_events(node, "reformed")
+        assert (reformed["step"], reformed["cause"], reformed["lost"]) == (
+            stopped["step"], "drain", [leaver.name])
+        assert not [r for r in progress_records(node) if r["event"] == "resumed" and r["time"] > since]
+    sentences = [e["event"] for e in log_lines(leaver)]
+    assert any(s.startswith("draining because") and "in place" in s for s in sentences), sentences
+    assert "the agent stopped; leaving the job and exiting" in sentences
+    history = _matches_the_replay(by_rank(survivors, True), tmp_path / "ckpt", final)
+    assert {w for w, _ in history.values()} == {3, 2}
+    assert max(s for s, (w, _) in history.items() if w == 3) == stopped["step"]
+
+
 def test_a_silent_node_is_cut_loose_after_its_lease(job, tmp_path):
     add, nodes = job
     final = 110
