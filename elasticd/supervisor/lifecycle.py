@@ -123,11 +123,13 @@ def drain_grace(now: float, policy: Policy, notice_deadline: float | None) -> fl
 def drains_in_place(snap: Snapshot, mem: Memory, policy: Policy) -> bool:
     """Whether this node can leave without stopping the others: in-place mode, workers in
     a live world that report their generation (they take planned changes), and no other
-    change of that world under way. Else the drain stops every rank (a coordinated stop)
-    and torchrun restarts the others' workers in a round without this node."""
+    change of that world under way, and other nodes in it (a world of this node alone just
+    stops). Else the drain stops every rank (a coordinated stop) and torchrun restarts the
+    others' workers in a round without this node."""
+    others = snap.world is not None and snap.world.world_size > snap.world.nproc
     return (policy.recovery_mode == IN_PLACE and mem.phase is Phase.RUNNING
             and agent_running(snap) and bool(snap.workers) and snap.generation is not None
-            and mem.life.step_at is not None and mem.reform.in_place is None
+            and others and mem.life.step_at is not None and mem.reform.in_place is None
             and mem.peer.isolated_since is None)
 
 

@@ -1176,10 +1176,12 @@ def _stepping(**kw) -> Snapshot:
     kw.setdefault("generation", G)
     kw.setdefault("node_id", "a")
     kw.setdefault("step", 10)
+    kw.setdefault("world", WorldView("a", G, 0, 2, 4))
     return live(**kw)
 
 
-STEPPED = RUNNING.but(step=10, step_at=T - 0.1, intervals=(0.1, 0.1, 0.1))
+STEPPED = RUNNING.but(step=10, step_at=T - 0.1, intervals=(0.1, 0.1, 0.1),
+                      published_world=WorldView("a", G, 0, 2, 4))
 DRAINED = GenerationRecord(G1, renumber([("b", 2)]), "127.0.0.1:29601", ("a",), "drain",
                            planned=True)
 
@@ -1204,6 +1206,7 @@ def test_a_drain_in_place_agrees_a_generation_instead_of_stopping_every_rank():
     ("a re-form under way", _stepping(), STEPPED.but(in_place=InPlace(("b",), T, G, "peer-crashed")),
      INPLACE),
     ("no workers", _stepping(workers=frozenset()), STEPPED, INPLACE),
+    ("a world of this node alone", _stepping(world=WorldView("a", G, 0, 2, 2)), STEPPED, INPLACE),
 ])
 def test_a_drain_stops_every_rank_where_it_cannot_run_in_place(why, s, m, policy):
     out = d(replace(s, drain_request="x"), m, policy)
