@@ -291,6 +291,17 @@ def current_world(views: Iterable[WorldView]) -> GenerationRecord | None:
     return record
 
 
+def base_of(agreed: GenerationRecord | None, views: Iterable[WorldView],
+            workers: GenerationId) -> GenerationRecord | None:
+    """What the next generation after ``workers`` is made from: the agreed record when it
+    is of our workers' round and not older, else the world the nodes' records report, if
+    they cover ``workers``' world; None when neither does (no in-place change then)."""
+    if agreed is not None and agreed.id.same_round(workers) and agreed.id.seq >= workers.seq:
+        return agreed
+    base = current_world(v for v in views if v.generation.same_round(workers))
+    return base if base is not None and base.id == workers else None
+
+
 def read_file(path: str) -> GenerationRecord | None:
     """The record in the local generation file, or None when there is none (yet)."""
     try:

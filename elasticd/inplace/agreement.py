@@ -23,7 +23,7 @@ from elasticd.contract.generation import (
     GenerationRecord,
     GenerationRecordError,
     WorldView,
-    current_world,
+    base_of,
     shrink,
 )
 from elasticd.etcd_client import EtcdClient, KeyValue, no_retry
@@ -116,19 +116,14 @@ def _agree(client: EtcdClient, keys: JobKeys, workers: GenerationId, views: Iter
     """The one compare-and-set loop both agreements run: the record newer than ``workers``
     that ``settled`` accepts, once agreed (another writer's: ``ADOPTED``; ours: ``WROTE``),
     the base when ``make`` has no next generation of it (``NO_NEXT``), or why neither (text)."""
-    views = [v for v in views if v.generation.same_round(workers)]
+    views = list(views)
     end = time.monotonic() + deadline_s
     with no_retry():
         while True:
             kv = client.get(keys.generation)
-            agreed = _parse(kv)
-            if (agreed is not None and agreed.id.same_round(workers)
-                    and agreed.id.seq >= workers.seq):
-                base = agreed
-            else:
-                base = current_world(views)
-                if base is None or base.id != workers:
-                    return f"the nodes' records do not cover generation {workers}'s world"
+            base = base_of(_parse(kv), views, workers)
+            if base is None:
+                return f"the nodes' records do not cover generation {workers}'s world"
             if base.id.newer_than(workers) and settled(base):
                 return _Agreed(base, ADOPTED)   # another daemon was first
             nxt = make(base)

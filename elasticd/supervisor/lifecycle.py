@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 
 from elasticd.actions import Action, Kind, act
+from elasticd.contract.generation import base_of
 from elasticd.contract.progress import WORKING
 from elasticd.contract.settings import IN_PLACE
 from elasticd.supervisor.journal import records_recovery
@@ -123,14 +124,20 @@ def drain_grace(now: float, policy: Policy, notice_deadline: float | None) -> fl
 def drains_in_place(snap: Snapshot, mem: Memory, policy: Policy) -> bool:
     """Whether this node can leave without stopping the others: in-place mode, workers in
     a live world that report their generation (they take planned changes), and no other
-    change of that world under way, and other nodes in it (a world of this node alone just
-    stops). Else the drain stops every rank (a coordinated stop) and torchrun restarts the
-    others' workers in a round without this node."""
-    others = snap.world is not None and snap.world.world_size > snap.world.nproc
-    return (policy.recovery_mode == IN_PLACE and mem.phase is Phase.RUNNING
+    change of that world under way, other nodes in it (a world of this node alone just
+    stops), and the agreement's base known (``generation.base_of``). Else the drain stops
+    every rank (a coordinated stop) and torchrun restarts the others' workers in a round
+    without this node."""
+    if not (policy.recovery_mode == IN_PLACE and mem.phase is Phase.RUNNING
             and agent_running(snap) and bool(snap.workers) and snap.generation is not None
-            and others and mem.life.step_at is not None and mem.reform.in_place is None
-            and mem.peer.isolated_since is None)
+            and snap.world is not None and snap.world.world_size > snap.world.nproc
+            and mem.life.step_at is not None and mem.reform.in_place is None
+            and mem.peer.isolated_since is None):
+        return False
+    # The agreement's base must be known: right after a world forms, the peers may not
+    # have published their part of it yet (seen: a drain at step 1 fell back).
+    views = [snap.world, *(p.world for p in snap.peers.values() if p.world is not None)]
+    return base_of(snap.generation_record, views, snap.generation) is not None
 
 
 def drain(snap: Snapshot, mem: Memory, policy: Policy):

@@ -67,7 +67,11 @@ def _assert_left_in_place(leaver: DaemonNode, survivors: list[DaemonNode], since
 
 
 def _drain_and_check(leaver, survivors, nodes, trigger, in_place: bool = True) -> None:
-    wait_for(lambda: stepping_at([leaver, *survivors], 3, 0), 120, "world of 3", nodes)
+    # The steady state (every daemon has published its workers' world): a drain before it
+    # has no agreed base and stops every rank instead.
+    trio = [leaver, *survivors]
+    wait_for(lambda: stepping_at(trio, 3, 0) and all(n.progress()["step"] >= 15 for n in trio),
+             120, "world of 3 at step 15", nodes)
     start = time.time()
     trigger()
     assert leaver.proc.wait(timeout=90) == 0, leaver.log_tail()

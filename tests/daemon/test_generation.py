@@ -14,6 +14,7 @@ from elasticd.contract.generation import (
     GenerationRecordError,
     Member,
     WorldView,
+    base_of,
     current_world,
     drain,
     grow,
@@ -164,6 +165,17 @@ def test_current_world_takes_the_newest_generation():
 ])
 def test_current_world_refuses_to_guess(views):
     assert current_world(views) is None
+
+
+def test_the_base_of_the_next_generation_is_the_agreed_record_or_the_reported_world():
+    views = [view("a", 0), view("b", 2), view("c", 4)]
+    assert base_of(None, views, G).nodes == ("a", "b", "c")
+    assert base_of(None, views[:2], G) is None                      # c has not reported
+    agreed = GenerationRecord(G.next(), renumber([("a", 2), ("b", 2)]), "h:1")
+    assert base_of(agreed, views[:2], G) == agreed                  # newer, same round
+    other_round = GenerationRecord(GenerationId(3, 5, "ep"), renumber([("a", 2)]), "h:1")
+    assert base_of(other_round, views, G).id == G                   # not a base
+    assert base_of(None, [view("a", 0, gen=GenerationId(3, 0, "ep"))], G) is None
 
 
 def test_world_views_round_trip_through_the_node_record():

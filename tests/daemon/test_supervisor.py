@@ -1177,11 +1177,13 @@ def _stepping(**kw) -> Snapshot:
     kw.setdefault("node_id", "a")
     kw.setdefault("step", 10)
     kw.setdefault("world", WorldView("a", G, 0, 2, 4))
+    kw.setdefault("peers", {"b": B_STEPPING})
     return live(**kw)
 
 
+B_STEPPING = replace(B, world=WorldView("b", G, 2, 2, 4), store="127.0.0.1:29601")
 STEPPED = RUNNING.but(step=10, step_at=T - 0.1, intervals=(0.1, 0.1, 0.1),
-                      published_world=WorldView("a", G, 0, 2, 4))
+                      published_world=WorldView("a", G, 0, 2, 4), peers_seen=frozenset({"b"}))
 DRAINED = GenerationRecord(G1, renumber([("b", 2)]), "127.0.0.1:29601", ("a",), "drain",
                            planned=True)
 
@@ -1207,6 +1209,8 @@ def test_a_drain_in_place_agrees_a_generation_instead_of_stopping_every_rank():
      INPLACE),
     ("no workers", _stepping(workers=frozenset()), STEPPED, INPLACE),
     ("a world of this node alone", _stepping(world=WorldView("a", G, 0, 2, 2)), STEPPED, INPLACE),
+    ("the peers' part of the world not published yet", _stepping(peers={"b": B}), STEPPED,
+     INPLACE),
 ])
 def test_a_drain_stops_every_rank_where_it_cannot_run_in_place(why, s, m, policy):
     out = d(replace(s, drain_request="x"), m, policy)
@@ -1282,12 +1286,12 @@ def test_a_peers_planned_record_is_handed_over_and_timed_with_its_step_boundary(
 def test_a_drained_peers_departure_is_no_fault_for_workers_that_re_formed_without_it():
     reformed = STEPPED.but(reformed_without=frozenset({"b"}))
     leaving = replace(B, state="leaving")
-    out = d(_stepping(departed=(leaving,)), reformed, INPLACE)
+    out = d(_stepping(departed=(leaving,), peers={}), reformed, INPLACE)
     assert out.kinds() == [Kind.EVICT, Kind.COUNT]                  # no SHRINK, no peer-lost
     assert out.memory.life.recovering is None                       # nothing to time
     assert "already re-formed without" in out.reason
     # A peer they did not re-form without is still a loss.
-    lost = d(_stepping(departed=(leaving,)), STEPPED, INPLACE)
+    lost = d(_stepping(departed=(leaving,), peers={}), STEPPED, INPLACE)
     assert Kind.SHRINK in lost.kinds() and lost.memory.life.recovering is not None
 
 
