@@ -488,11 +488,10 @@ class Daemon:
         if out.status == "ok":
             try:
                 self.files.leave.touch()   # before our workers can stop and the agent rejoin
+                out = self._hand_over(out)
             except OSError as exc:
                 out = dataclasses.replace(out, status="failed",
                                           reason=f"the leave file was not written: {exc}")
-        if out.status == "ok":
-            out = self._hand_over(out)
         self._drained = out
         if out.status == "failed":
             return Outcome(f"no drain in place: {out.reason}", _generation_fields(out), failed=True)

@@ -173,7 +173,11 @@ def _draining(snap: Snapshot, mem: Memory, policy: Policy):
     if agent_running(snap):
         if not snap.workers and not mem.life.left_rdzv:
             # Our workers are gone: leave the rendezvous now, not after the agent's own
-            # shutdown (waiting for it cost the others 1-2 s).
+            # shutdown (waiting for it cost the others 1-2 s). In place our agent goes too:
+            # nothing is left for it to run (the leave file keeps it out of any round).
+            if mem.life.drain_in_place:
+                return mem.but(left_rdzv=True), [act(Kind.LEAVE_RENDEZVOUS), act(Kind.KILL_AGENT)], \
+                    "our workers stopped after the agreed step; leaving the rendezvous"
             return mem.but(left_rdzv=True), [act(Kind.LEAVE_RENDEZVOUS)], \
                 "our workers stopped; leaving the rendezvous"
         if mem.life.drain_deadline is not None and snap.now >= mem.life.drain_deadline:
@@ -196,20 +200,16 @@ def _draining(snap: Snapshot, mem: Memory, policy: Policy):
 
 
 def _draining_in_place(snap: Snapshot, mem: Memory, policy: Policy):
-    """The drain in place: the agreement's outcome, our workers' exit after the agreed
-    step (then our agent goes: it has nothing left to run, and the leave file keeps it
-    out of any round meanwhile), or the fall-back to every rank's coordinated stop when
-    the agreement fails or the workers outlast the re-form's bound."""
+    """The drain in place: the agreement's outcome, or the fall-back to every rank's
+    coordinated stop when the agreement fails or the workers outlast the re-form's bound
+    (their exit after the agreed step is ``_draining``'s, as for a coordinated stop)."""
     out = snap.drained
     if out is not None:
         if out.status == "ok":   # the executor's outcome names it in that cycle's line
             return mem.but(generation_handed=out.record.id), [], ""
         return _drain_by_stopping(snap, mem, out.reason or "no in-place generation")
-    if not agent_running(snap):
+    if not agent_running(snap) or not snap.workers:
         return None
-    if not snap.workers:
-        return mem.but(left_rdzv=True), [act(Kind.LEAVE_RENDEZVOUS), act(Kind.KILL_AGENT)], \
-            "our workers stopped after the agreed step; leaving the rendezvous"
     waited = snap.now - mem.life.drain_since
     if waited >= reform_bound_s(policy, mem, planned=True):
         return _drain_by_stopping(snap, mem, f"our workers had not stopped {waited:.1f} s after "
