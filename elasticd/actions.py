@@ -20,7 +20,7 @@ class Kind(enum.Enum):
     same words (PUBLISH its record, EVICT condemned members' records, SHRINK,
     WRITE_GENERATION) with executors of its own."""
 
-    START_AGENT = "start_agent"
+    START_AGENT = "start_agent"                # data: enter (a live generation: a join in place)
     TERMINATE_AGENT = "terminate_agent"        # SIGTERM the agent's tree (drain)
     KILL_AGENT = "kill_agent"                  # SIGKILL the agent's tree
     KILL_WORKERS = "kill_workers"              # data: pids
@@ -42,6 +42,8 @@ class Kind(enum.Enum):
     WRITE_GENERATION = "write_generation"      # hand an agreed record to our workers; data: record
     DRAIN_IN_PLACE = "drain_in_place"          # agree a planned generation without this node,
     #                                            hand it to our workers; data: generation
+    GROW_IN_PLACE = "grow_in_place"            # agree a planned generation with this node
+    #                                            (its workers warm), hand it to them; data: live
 
 
 @dataclass(frozen=True)

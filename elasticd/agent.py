@@ -55,6 +55,12 @@ class RunFiles:
         return self.run_dir / "leave"
 
     @property
+    def enter(self) -> Path:
+        """Exists: our agent's next round is its own, its workers newcomers
+        (``WorkerSettings.enter_file``, ``elasticd.rendezvous.entering``)."""
+        return self.run_dir / "enter"
+
+    @property
     def generation(self) -> Path:
         """The generation record for this node's workers (in-place re-forms; the daemon writes)."""
         return self.run_dir / "generation.json"
@@ -141,6 +147,7 @@ def worker_settings(config: Config, files: RunFiles) -> WorkerSettings:
         lr_warmup_steps=lr.warmup_steps,
         stop_file=str(files.stop),
         leave_file=str(files.leave),
+        enter_file=str(files.enter),
         progress_file=str(files.progress),
         daemon_pid=os.getpid(),
         recovery_mode=config.recovery.mode,

@@ -266,8 +266,13 @@ class RecoveryConfig:
     bound_s: float = DEFAULT_RECOVERY_BOUND_S   # longest a re-form may take (worker side)
     store_port: int = 0                         # the daemon's TCP store; 0 = ephemeral
     reform: str = "auto"    # torch's reconfigure where it can (trainer/reform.py), or destroy-init
+    # A node that joins a live in-place job (keyed rounds) enters it without restarting the
+    # members' workers (supervisor.joining); false: every join restarts them through a round.
+    join_in_place: bool = True
 
     def __post_init__(self) -> None:
+        _require(isinstance(self.join_in_place, bool), "recovery.join_in_place",
+                 self.join_in_place, "use true or false")
         _require(self.mode in RECOVERY_MODES, "recovery.mode", self.mode,
                  f"use one of {', '.join(repr(m) for m in RECOVERY_MODES)}")
         object.__setattr__(self, "mode", RecoveryMode(self.mode))

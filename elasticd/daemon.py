@@ -59,9 +59,10 @@ from elasticd.agent import (
 from elasticd.config import RELOADABLE, Config, load_config
 from elasticd.contract import generation
 from elasticd.contract.progress import ProgressReader
+from elasticd.contract.settings import IN_PLACE
 from elasticd.errors import ElasticdError, EtcdError
 from elasticd.etcd_client import EtcdClient, deadline
-from elasticd.inplace.agreement import ShrinkOutcome, drain_world, shrink_world
+from elasticd.inplace.agreement import ShrinkOutcome, drain_world, grow_world, shrink_world
 from elasticd.inplace.handover import hand_over
 from elasticd.inplace.store import StoreHost
 from elasticd.journal import Journal
@@ -71,7 +72,8 @@ from elasticd.observer import CheckpointScanner, JobReader, reap_orphans
 from elasticd.preemption import Notice, PreemptionWatcher
 from elasticd.probe import Prober, ProbeServer
 from elasticd.rendezvous import admin
-from elasticd.rendezvous.keys import JobKeys
+from elasticd.rendezvous.entering import write_entry
+from elasticd.rendezvous.keys import KEYED_ROUNDS, JobKeys
 from elasticd.rendezvous.torch_compat import check_torch_apis
 from elasticd.sdnotify import SystemdNotifier, WatchdogGate
 from elasticd.supervisor import (
@@ -132,6 +134,7 @@ class Daemon:
         self._eviction: Eviction | None = None
         self._shrink: ShrinkOutcome | None = None
         self._drained: ShrinkOutcome | None = None
+        self._grown: ShrinkOutcome | None = None
         self.store_host = StoreHost(config.node.addr, config.recovery.store_port)
         self.warm_host = WarmHost(config.job.python or sys.executable, self.files.warm_socket,
                                   self.files.warm_log, config.job.warm_imports) \
@@ -270,6 +273,7 @@ class Daemon:
         eviction, self._eviction = self._eviction, None
         shrink, self._shrink = self._shrink, None
         drained, self._drained = self._drained, None
+        grown, self._grown = self._grown, None
         agent = self.agent
         workers = agent.workers(direct=True) if agent else []
         return Snapshot(
@@ -288,10 +292,11 @@ class Daemon:
             probe_answers=self.prober.take_answers(),
             departed=tuple(p.view() for p in self.membership.take_departed()),
             confirmations=self.prober.take_confirmations(),
-            eviction=eviction, checkpoint_step=self.scanner.step, rank0_here=progress.rank == 0,
+            eviction=eviction, checkpoint_step=self.scanner.step,
+            rank0_here=progress.rank == 0 and progress.event != "warm",   # (a newcomer's own rank)
             node_id=self.node_id, generation=progress.generation,
             world=progress.world(self.node_id), reform=progress.reform, shrink=shrink,
-            drained=drained,
+            drained=drained, grown=grown,
             generation_record=job.generation)
 
     def _restart_count(self, workers: list[psutil.Process]) -> int | None:
@@ -382,6 +387,9 @@ class Daemon:
     def _start_agent(self, action: Action) -> Outcome:
         self.files.stop.unlink(missing_ok=True)
         self.files.leave.unlink(missing_ok=True)
+        self.files.enter.unlink(missing_ok=True)
+        if action.data.get("enter") is not None:   # a join in place: the next round is its own
+            write_entry(self.files.enter, action["enter"])
         self.worker_errors.forget()   # a new life's failure names its own cause
         prune_log_dirs(self.files.torchrun_logs)
         warm = self.files.warm_socket if self.warm_host is not None else None
@@ -498,6 +506,27 @@ class Daemon:
         verb = "agreed" if out.wrote else "adopted"
         return self._released(out, f"generation {out.record.id} {verb} without this node; our "
                                    "workers stop after the step the world agrees")
+
+    def _grow_in_place(self, action: Action) -> Outcome:
+        """Agree the planned generation with this node (our newcomers are warm) and hand
+        it to them; the members' daemons adopt it and their workers re-form after the
+        step their world agrees."""
+        me = (self.node_id,)
+        # How many workers torch started here (the warm record says), else the config's.
+        nproc = self.progress.progress.local_world_size or self.config.job.resolved_nproc()
+        try:
+            out = grow_world(self.client, self.keys, self.node_id, nproc, action["live"],
+                             self._world_views(()), self._stores(), deadline_s=RDZV_EDIT_S)
+        except EtcdError as exc:
+            out = ShrinkOutcome(me, "failed", reason=f"etcd did not answer: {exc}")
+        if out.status == "ok":
+            out = self._hand_over(out)
+        self._grown = out
+        if out.status == "failed":
+            return Outcome(f"no join in place: {out.reason}", _generation_fields(out), failed=True)
+        verb = "agreed" if out.wrote else "adopted"
+        return Outcome(f"generation {out.record.id} {verb} with this node; our workers enter "
+                       "it after the step the world agrees", _generation_fields(out))
 
     def _released(self, out: ShrinkOutcome, text: str) -> Outcome:
         """``text``'s outcome, once the old round's exit barrier is released if this
@@ -696,6 +725,7 @@ ACTIONS: dict[Kind, Callable[[Daemon, Action], Outcome | None]] = {
     Kind.SHRINK: Daemon._shrink_world,
     Kind.WRITE_GENERATION: Daemon._write_generation,
     Kind.DRAIN_IN_PLACE: Daemon._drain_in_place,
+    Kind.GROW_IN_PLACE: Daemon._grow_in_place,
 }
 
 
@@ -717,7 +747,10 @@ def policy_from(config: Config) -> Policy:
         release_broken_rounds=sup.release_broken_rounds,
         recovery_mode=config.recovery.mode,
         recovery_bound_s=config.recovery.bound_s,
-        silent_suspect_s=float(config.node.lease_ttl_s))
+        silent_suspect_s=float(config.node.lease_ttl_s),
+        join_in_place=(config.recovery.join_in_place and config.recovery.mode == IN_PLACE
+                       and config.rendezvous.rounds == KEYED_ROUNDS),
+        max_nodes=config.job.max_nodes)
 
 
 def config_diff(old: Config, new: Config) -> tuple[dict[str, list], dict[str, list]]:

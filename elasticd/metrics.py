@@ -56,6 +56,10 @@ class Metrics:
             "elasticd_drain_seconds", "From this node's drain request to its agent's end, by how "
             "(in-place: the others went on; coordinated-stop: every rank stopped)", ["how"],
             buckets=(0.5, 1, 2, 3, 5, 8, 13, 20, 30, 60, 120), registry=r)
+        self.join_seconds = Histogram(
+            "elasticd_join_seconds", "From this node's agent start to its workers' entry into "
+            "the live world, by how (in-place: nobody restarted)", ["how"],
+            buckets=(1, 2, 3, 5, 8, 13, 20, 30, 60, 120), registry=r)
         self.in_place_recoveries = Counter(
             "elasticd_in_place_recoveries", "In-place re-forms after a lost peer or a drain, by outcome "
             "(ok; fallback: the workers were restarted instead)", ["outcome"], registry=r)

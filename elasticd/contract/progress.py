@@ -60,8 +60,10 @@ class Progress:
     reason: str | None = None        # why, for an event that says (unfit, peer-unfit, ...)
 
     def world(self, node: str) -> WorldView | None:
-        """What this node publishes of its workers' world (``world`` in its record)."""
-        if self.generation is None or None in (self.rank, self.local_world_size, self.world_size):
+        """What this node publishes of its workers' world (``world`` in its record); none
+        while they are warm newcomers (their ranks are their own world's, not the job's)."""
+        if (self.generation is None or self.event == "warm"
+                or None in (self.rank, self.local_world_size, self.world_size)):
             return None
         try:
             return WorldView.from_record(node, {

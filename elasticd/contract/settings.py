@@ -155,6 +155,10 @@ class WorkerSettings:
     leave_file: str | None = setting(
         str, "exists -> this node's torchrun agent joins no further round and leaves the "
         "rendezvous (a drain in place: its workers stop, the others go on)", channel=True)
+    enter_file: str | None = setting(
+        str, "exists (the live world's round and epoch) -> this node's next torchrun round is "
+        "its agent's alone and its workers start as newcomers (a join in place; read once)",
+        channel=True)
     progress_file: str | None = setting(
         str, "JSON progress record, rewritten after every event (steps: at most every 0.25 s)",
         channel=True)
@@ -227,6 +231,9 @@ def env_name(f: dataclasses.Field) -> str:
 
 # Read by the etcd3 plugin inside torchrun's agent (the agent's environment is the workers').
 LEAVE_FILE_ENV = PREFIX + "LEAVE_FILE"
+ENTER_FILE_ENV = PREFIX + "ENTER_FILE"
+# Set by the keyed handler in its agent's environment for a newcomer's own world.
+JOINING_ENV = PREFIX + "JOINING"
 
 
 def flag_name(f: dataclasses.Field) -> str:

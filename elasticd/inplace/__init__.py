@@ -14,7 +14,8 @@ against both):
   the votes of a node cut off from the majority.
 * ``agreement``: the next generation, agreed by one compare-and-set on the job's
   ``generation`` key; the first survivor's write wins, the others adopt it. A drain in
-  place is the same loop run by the leaver's daemon: a planned record without it.
+  place is the same loop run by the leaver's daemon: a planned record without it; a join
+  in place, run by the newcomer's daemon once its workers are warm: a planned record with it.
 * ``handover``: the one writer of the workers' generation file.
 * ``store``: the TCP store each survivor hosts, through which a re-formed group forms.
 

@@ -6,7 +6,9 @@ companion under plain torchrun) detects the same loss and tries; the first write
 and the others adopt it, so all of them hand the same record to their workers.
 ``drain_world``: the planned generation without a draining node, agreed by its own
 daemon through the same compare-and-set loop (``_agree``); the others adopt the record
-they read. ``ShrinkOutcome`` says what either did.
+they read. ``grow_world``: the planned generation with a joining node (a join in place),
+agreed by the newcomer's own daemon once its workers are warm, through the same loop.
+``ShrinkOutcome`` says what each did.
 """
 
 from __future__ import annotations
@@ -96,6 +98,40 @@ def drain_world(client: EtcdClient, keys: JobKeys, node_id: str, workers: Genera
         return ShrinkOutcome(me, "failed", out.record, reason=(
             "another change of our workers' world is agreed" if out.record.id != workers
             else _no_survivor(me, out.record, stores)))
+    return ShrinkOutcome(me, "ok", out.record, wrote=out.how == WROTE)
+
+
+def grow_world(client: EtcdClient, keys: JobKeys, node_id: str, nproc: int, live: GenerationId,
+               views: Iterable[WorldView], stores: Mapping[str, str],
+               deadline_s: float = 1.0) -> ShrinkOutcome:
+    """Agree the planned generation after ``live`` (the members' world, which this node's
+    warm newcomers wait to enter) with this node and its ``nproc`` workers after the
+    members (they keep their ranks). The group forms through the store of rank 0's daemon.
+
+    ``status`` ``ok``: the agreed record names this node among the joined (ours, or
+    another writer's that already does): hand it to our workers. ``failed``: no join in
+    place (the world changed first, its rank 0 publishes no store; ``reason``): the
+    caller takes the restart path. Same bounds as ``shrink_world``.
+    """
+    me = (node_id,)
+
+    def make(base: GenerationRecord) -> GenerationRecord | None:
+        # Only from the world our newcomers were started for: a change of it agreed
+        # first (a loss, another join) is the members' to take before ours.
+        store = stores.get(base.members[0].node) or base.store
+        if base.id != live or store is None:
+            return None
+        return generation.grow(base, [(node_id, nproc)], store, created=time.time())
+
+    out = _agree(client, keys, live, views, deadline_s, make=make,
+                 settled=lambda base: node_id in base.joined)
+    if isinstance(out, str):
+        return ShrinkOutcome(me, "failed", reason=out)
+    if out.how == NO_NEXT:
+        base = out.record
+        return ShrinkOutcome(me, "failed", base, reason=(
+            f"the world changed first (generation {base.id}, not {live})" if base.id != live
+            else f"rank 0's daemon ({base.members[0].node}) publishes no store"))
     return ShrinkOutcome(me, "ok", out.record, wrote=out.how == WROTE)
 
 

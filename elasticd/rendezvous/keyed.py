@@ -48,7 +48,7 @@ from torch.distributed.elastic.rendezvous import (
 from elasticd.errors import EtcdError
 from elasticd.etcd_client import EtcdClient, KeyValue, no_retry
 from elasticd.lease import LeaseKeeper
-from elasticd.rendezvous import BACKEND_NAME
+from elasticd.rendezvous import BACKEND_NAME, entering
 from elasticd.rendezvous.closed import closed_message
 from elasticd.rendezvous.keys import JobKeys
 from elasticd.rendezvous.leaving import LeavesOnExit, warn_giving_up
@@ -134,6 +134,10 @@ class KeyedRendezvousHandler(LeavesOnExit, RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         self._leave_if_asked()
+        entry = entering.take_entry()
+        if entry is not None:
+            return self._enter_alone(entry)
+        entering.ordinary()
         end = self._clock() + self._join_timeout_s
         if self.companion is not None:
             self.companion.leave_round()
@@ -166,6 +170,17 @@ class KeyedRendezvousHandler(LeavesOnExit, RendezvousHandler):
         if self.companion is not None:
             self.companion.on_world(world.round, self.agent.name)
         return info
+
+    def _enter_alone(self, entry: entering.Entry) -> RendezvousInfo:
+        """A join in place (``entering``): a world of this agent alone. It watches the
+        live world's next round as a member's agent does (a node waiting for it restarts
+        everyone, the newcomer too)."""
+        self._ensure_alive()
+        self._arm_leave_on_exit()
+        self.world = self._read_world(entry.generation.round)
+        self._waiting = (float("-inf"), 0)
+        return entering.alone(self._run_id, self._store, self.agent.name, self.agent.addr,
+                              entry, self._on_world or (lambda round_, info: None))
 
     def num_nodes_waiting(self) -> int:
         """Joins to the round after this agent's world (one count-only read a second).

@@ -37,8 +37,9 @@ from elasticd.errors import ConfigError
 # linear in the nodes), or torch's dynamic rendezvous on one shared state (every agent
 # compare-and-sets one pickled state: writes grow with the square of the nodes).
 # ``--rdzv-conf rounds=`` and ``[rendezvous] rounds``.
-ROUNDS = ("keyed", "torch")
-DEFAULT_ROUNDS = "keyed"
+KEYED_ROUNDS = "keyed"
+ROUNDS = (KEYED_ROUNDS, "torch")
+DEFAULT_ROUNDS = KEYED_ROUNDS
 
 DEFAULT_ROOT = "/elasticd"
 # torch's layout: the rendezvous epoch's key in the run's store (``handler.store_epoch``).

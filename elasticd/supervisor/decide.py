@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from elasticd.actions import Action
-from elasticd.supervisor import journal, lifecycle, peers, reform
+from elasticd.supervisor import joining, journal, lifecycle, peers, reform
 from elasticd.supervisor.state import Decision, Memory, Policy, Rule, Snapshot, Step
 
 # in_place runs before progress (a re-form is not also a generic ``recovered``) and
 # before worker_restarts (an exit during a re-form makes the restart a membership one);
-# shrink_outcome before eviction_outcome (a failed SHRINK plans the restart's kill).
+# shrink_outcome before eviction_outcome (a failed SHRINK plans the restart's kill);
+# joining before worker_restarts (it compares the workers with the last cycle's) and
+# before generation_news (a record without us is not ours to take while we enter).
 _BOOKKEEPING: tuple[Step, ...] = (
-    lifecycle.signals, reform.in_place, lifecycle.progress, lifecycle.worker_restarts,
+    lifecycle.signals, reform.in_place, joining.joining, lifecycle.progress, lifecycle.worker_restarts,
     peers.peer_news, peers.suspicions, reform.shrink_outcome, peers.eviction_outcome,
     peers.kill_due, reform.generation_news, reform.publish_world, journal.checkpoint,
     journal.journal_progress)

@@ -10,6 +10,7 @@ from elasticd.actions import Action, Kind, act
 from elasticd.contract.generation import base_of
 from elasticd.contract.progress import WORKING
 from elasticd.contract.settings import IN_PLACE
+from elasticd.supervisor.joining import joins_in_place
 from elasticd.supervisor.journal import records_recovery
 from elasticd.supervisor.reform import left_out_while_draining, reform_bound_s
 from elasticd.supervisor.state import (
@@ -31,8 +32,8 @@ def progress(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[
     New ground, not any step: a restart resumes a checkpoint behind the failure, so
     "stepped since the start" let a loop that fails at the same step every time (a
     bad sample, a diverging model) clear its count forever (found by the goodput run)."""
-    if snap.step is None or snap.step == mem.life.step:
-        return mem, [], ""
+    if snap.step is None or snap.step == mem.life.step or snap.progress_event == "warm":
+        return mem, [], ""   # (a warm newcomer's step is not its world's: it has none yet)
     intervals = mem.life.intervals
     if mem.life.step_at is not None:
         intervals = (*intervals, snap.now - mem.life.step_at)[-20:]
@@ -370,7 +371,8 @@ def hang(snap: Snapshot, mem: Memory, policy: Policy):
     if mem.phase is not Phase.RUNNING or not snap.workers:
         return None
     if mem.life.step_at is None:
-        return _start_hang(snap, mem, policy)
+        # A newcomer waits to be admitted: the join's own bounds (supervisor.joining).
+        return None if mem.life.joining is not None else _start_hang(snap, mem, policy)
     peer = mem.peer
     if peer.dead or peer.evicting or peer.suspects or peer.kill_at is not None or mem.reform.in_place:
         return None  # a peer loss explains the stall
@@ -404,10 +406,14 @@ def start(snap: Snapshot, mem: Memory, policy: Policy):
     if snap.now < mem.life.restart_at:
         return None
     verb = "restarting" if mem.phase is Phase.BACKOFF else "starting"
-    actions = [act(Kind.START_AGENT)]
+    live = joins_in_place(snap, mem, policy)
+    actions = [act(Kind.START_AGENT, enter=live)]
     if not mem.life.ready_sent:
         actions.append(act(Kind.NOTIFY, what="ready"))
     mem = change_phase(mem, Phase.RUNNING, exit_handled=False, agent_released=False,
                   round_broken_since=None, workers=frozenset(), step_at=None, workers_at=None,
-                  ready_sent=True, reformed_without=frozenset())
-    return mem, actions, f"{verb} the torchrun agent"
+                  ready_sent=True, reformed_without=frozenset(), joining=live,
+                  joining_since=snap.now if live is not None else None, join_proposed=False,
+                  join_agreed_at=None)
+    how = f" to enter generation {live} in place (its workers start as newcomers)" if live else ""
+    return mem, actions, f"{verb} the torchrun agent{how}"

@@ -129,6 +129,8 @@ def generation_news(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory
     if (rec is None or gen is None or policy.recovery_mode != IN_PLACE or not snap.workers
             or mem.phase is not Phase.RUNNING or not rec.id.newer_than(gen) or _handed(mem, rec.id)):
         return mem, [], ""
+    if mem.life.joining is not None and rec.member(snap.node_id) is None:
+        return mem, [], ""   # our newcomers are in no world yet: nothing to fence them out of
     if mem.reform.in_place is None:
         mem = mem.but(in_place=InPlace(rec.lost, snap.now, gen, rec.cause or "peer-lost",
                                        planned=rec.planned),
@@ -137,9 +139,10 @@ def generation_news(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory
         return _fenced_out(snap, mem, rec)
     mem = mem.but(generation_handed=rec.id, in_place=replace(mem.reform.in_place, agreed=True))
     when = " (they take it after the step the world agrees)" if rec.planned else ""
+    change = (f"with {', '.join(rec.joined)}" if rec.joined
+              else f"without {', '.join(rec.lost) or '-'}")
     return mem, [act(Kind.WRITE_GENERATION, record=rec)], (
-        f"generation {rec.id} was agreed without {', '.join(rec.lost) or '-'}; handing it to "
-        f"our workers{when}")
+        f"generation {rec.id} was agreed {change}; handing it to our workers{when}")
 
 
 def publish_world(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:

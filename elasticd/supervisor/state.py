@@ -93,6 +93,13 @@ class Policy:
     # False: our agent waits in such a round until torchrun's own store timeout (torch's
     # behaviour; for comparisons and the liveness invariant's weakened run).
     release_broken_rounds: bool = True
+    # A new node enters a live in-place world without a round (supervisor.joining): the
+    # [recovery] join_in_place setting, on keyed rounds in the in-place mode only.
+    join_in_place: bool = False
+    max_nodes: int = 1 << 30
+    # A newcomer's workers that are not warm (imports, device, model) this long after its
+    # agent started are given up: the agent starts again and joins an ordinary round.
+    join_warm_timeout_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -159,6 +166,7 @@ class Snapshot:
     reform: Reform | None = None           # ... and a re-form's report
     shrink: ShrinkOutcome | None = None    # the last SHRINK's outcome
     drained: ShrinkOutcome | None = None   # the last DRAIN_IN_PLACE's outcome
+    grown: ShrinkOutcome | None = None     # the last GROW_IN_PLACE's outcome
     generation_record: GenerationRecord | None = None  # etcd: the agreed generation
     worker_error: str | None = None        # agent log: the workers' newest exception line
 
@@ -216,6 +224,14 @@ class Lifecycle:
     # killed our agent to release it from that round (its exit is then no failure).
     round_broken_since: float | None = None
     agent_released: bool = False
+    # A join in place (supervisor.joining): the live world our newcomers enter, since when,
+    # whether the generation with us was proposed, when it was agreed; a join that fell back
+    # is not tried again until our workers step.
+    joining: GenerationId | None = None
+    joining_since: float | None = None
+    join_proposed: bool = False
+    join_agreed_at: float | None = None
+    join_fell_back: bool = False
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from elasticd.errors import EtcdUnavailable
 from elasticd.journal import Journal, recent_events
 from elasticd.membership import Membership, Peer
 from elasticd.observer import JobReader
+from elasticd.rendezvous import entering
 from elasticd.rendezvous.admin import exit_barrier_key
 from elasticd.rendezvous.rounds import Agent, World, encode_pointer
 from elasticd.sdnotify import SystemdNotifier
@@ -347,8 +348,9 @@ def test_start_agent_starts_torchrun_and_publishes_and_journals_its_pid(daemon, 
     monkeypatch.setattr(daemon_module, "AgentProcess", FakeAgentProcess)
     daemon.files.stop.touch()                         # the last life's coordinated stop
     daemon.files.leave.touch()                        # ... and drain in place
+    daemon.files.enter.touch()                        # ... and join in place
     daemon.worker_errors.last = "RuntimeError: the last life's cause"
-    run(daemon, Kind.START_AGENT)
+    run(daemon, Kind.START_AGENT, enter=None)
     [agent] = FakeAgentProcess.made
     assert daemon.agent is agent and agent.pid == AGENT_PID
     assert "torch.distributed.run" in agent.command and f"--local-addr={ADDR}" in agent.command
@@ -356,6 +358,7 @@ def test_start_agent_starts_torchrun_and_publishes_and_journals_its_pid(daemon, 
     assert WorkerSettings.from_env(agent.env).node_id == "a"
     assert not daemon.files.stop.exists()             # the new workers must not stop at once
     assert not daemon.files.leave.exists()            # ... nor the new agent leave
+    assert not daemon.files.enter.exists()            # ... nor take a round of its own
     assert daemon.worker_errors.last is None
     record = get_json(client, keys.node("a"))
     assert (record["state"], record["agent_pid"]) == ("running", AGENT_PID)
@@ -408,6 +411,53 @@ def test_a_drain_without_survivors_is_a_failed_outcome_and_touches_nothing(daemo
     assert client.get(keys.generation) is None and not daemon.files.leave.exists()
     assert not daemon.files.generation.exists()
     assert daemon.observe().drained.status == "failed"
+
+
+# -- the join in place ---------------------------------------------------------------------
+
+def test_start_agent_to_enter_in_place_leaves_the_live_generation_in_the_enter_file(
+        daemon, monkeypatch):
+    monkeypatch.setattr(daemon_module, "AgentProcess", FakeAgentProcess)
+    gen = GenerationId(3, 1, "e")
+    run(daemon, Kind.START_AGENT, enter=gen)
+    told = WorkerSettings.from_env(FakeAgentProcess.made[-1].env).enter_file
+    assert told == str(daemon.files.enter)
+    assert entering.Entry.from_json(daemon.files.enter.read_bytes()).generation == GenerationId(
+        3, 0, "e")   # the round and epoch: the newcomers accept any re-form of it
+
+
+def test_grow_in_place_agrees_the_generation_with_this_node_after_the_members(daemon, client,
+                                                                             keys):
+    gen = GenerationId(3, 0, "e")
+    write_progress(daemon, event="warm", step=0, world_size=2, rank=0, local_world_size=2,
+                   generation=gen.as_dict())   # our newcomers: their own world, not the job's
+    put_json(client, keys.node("b"), {
+        "state": "running", "agent_pid": 77, "addr": PEER_ADDR, "store": f"{PEER_ADDR}:29601",
+        "world": WorldView("b", gen, 0, 2, 2).to_record()})
+    assert daemon.observe().world is None
+    with capture_logs():
+        out = daemon._execute(act(Kind.GROW_IN_PLACE, live=gen))
+    assert not out.failed and "with this node" in out.text, out
+    record = GenerationRecord.from_json(client.get(keys.generation).value)
+    assert record.id == gen.next() and record.planned and record.joined == ("a",)
+    assert [(m.node, m.first_rank, m.nproc) for m in record.members] == [("b", 0, 2), ("a", 2, 2)]
+    assert record.store == f"{PEER_ADDR}:29601"   # b stays rank 0
+    assert generation.read_file(str(daemon.files.generation)) == record
+    assert daemon.observe().grown.status == "ok"
+    # Asked again for the world it has already changed: the change is adopted, not redone.
+    again = daemon._execute(act(Kind.GROW_IN_PLACE, live=gen))
+    assert "adopted" in again.text and client.get(keys.generation).value == record.to_json().encode()
+
+
+def test_a_grow_of_a_world_that_changed_first_is_a_failed_outcome(daemon, client, keys):
+    gen = GenerationId(3, 0, "e")
+    put_json(client, keys.node("b"), {
+        "state": "running", "agent_pid": 77, "addr": PEER_ADDR, "store": f"{PEER_ADDR}:29601",
+        "world": WorldView("b", gen, 0, 2, 2).to_record()})
+    daemon.observe()
+    out = daemon._execute(act(Kind.GROW_IN_PLACE, live=GenerationId(2, 0, "e")))
+    assert out.failed and "no join in place" in out.text
+    assert client.get(keys.generation) is None and not daemon.files.generation.exists()
 
 
 # -- local executors -------------------------------------------------------------------------

@@ -163,6 +163,42 @@ def test_a_failing_re_form_falls_back_to_a_restart_and_loses_nothing(job, tmp_pa
     _matches_the_replay(rank0, tmp_path / "ckpt", final)
 
 
+def _joined_in_place(members: list[DaemonNode], newcomer: DaemonNode, since: float) -> None:
+    """Issue 26: the members re-formed for the newcomer without a restart (no resume after
+    ``since``, their last re-form names it), and its daemon logged its entry in place."""
+    for node in members:
+        reformed = [e for e in agent_events(node, "reformed") if e["time"] > since]
+        assert [(e["cause"], e["joined"]) for e in reformed] == [("join", [newcomer.name])], \
+            node.log_tail()
+        assert not [r for r in progress_records(node) if r["event"] == "resumed" and r["time"] > since]
+    (entered,) = [e for e in agent_events(newcomer, "reformed") if e.get("newcomer")]
+    assert entered["world_size"] == len(members) + 1
+    assert not [r for r in progress_records(newcomer) if r["event"] == "resumed"]
+    sentences = [e["event"] for e in log_lines(newcomer)]
+    assert any("to enter generation" in s for s in sentences), sentences[-20:]
+    assert any(s.startswith("our workers entered generation") for s in sentences), sentences[-20:]
+
+
+@pytest.mark.parametrize("final", [pytest.param(300, marks=pytest.mark.compat)])
+def test_a_node_that_joins_a_live_world_enters_it_in_place(job, tmp_path, final):
+    """Issue 26: a third node started beside a world of two joins it in place: its
+    workers start warm as newcomers in a world of their own, its daemon agrees the
+    generation with it, the two re-form after the step their world agrees and hand it
+    the state; nobody restarts or resumes a checkpoint. Checked against the replay."""
+    add, nodes = job
+    two = [add(n, final, min_nodes=2) for n in "ab"]
+    wait_for(lambda: stepping_at(two, 2, 0) and all(n.progress()["step"] >= 15 for n in two),
+             120, "a world of 2 at step 15", nodes)
+    since = time.time()
+    newcomer = add("c", final, min_nodes=2)
+    wait_for(lambda: stepping_at([*two, newcomer], 3, since), 90, "world 3", nodes)
+    completed([*two, newcomer])
+    _joined_in_place(two, newcomer, since)
+    history = _matches_the_replay(two[0], tmp_path / "ckpt", final)
+    assert [w for _, (w, _) in sorted(history.items())][-1] == 3
+    assert {w for w, _ in history.values()} == {2, 3}
+
+
 def test_a_node_that_rejoins_after_an_in_place_shrink_grows_the_world_back(job, tmp_path):
     add, nodes = job
     final = 500  # long enough for the newcomer's agent to start and join (~10 s here)
@@ -171,14 +207,14 @@ def test_a_node_that_rejoins_after_an_in_place_shrink_grows_the_world_back(job, 
     newcomer = add("d", final, min_nodes=2)
     wait_for(lambda: stepping_at([*survivors, newcomer], 3, back), 90, "world 3 again", nodes)
     completed([*survivors, newcomer])
-    # A survivor's records hold the whole run (the newcomer's start at its join). Not the
-    # rank-0 node: ranks follow (addr, pid), and once pids wrap (pid_max 32768, seen late in
-    # CI) the newcomer's agent sorts first.
+    # The loss and the join, both in place: no survivor restarted or resumed a checkpoint.
+    _joined_in_place(survivors, newcomer, back)
+    for node in survivors:
+        assert not [r for r in progress_records(node) if r["event"] == "resumed" and r["time"] > crash]
+    # A survivor's records hold the whole run (the newcomer's start at its join).
     witness = survivors[0]
-    resumed_where_it_stopped(witness, crash)
     history = _matches_the_replay(witness, tmp_path / "ckpt", final)
     assert [w for _, (w, _) in sorted(history.items())][-1] == 3
-
 
 
 def test_a_crashed_node_restarted_before_its_lease_ran_out_rejoins(job, tmp_path):

@@ -16,9 +16,11 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elasticd.contract.settings import LEAVE_FILE_ENV
+from elasticd.contract.generation import GenerationId
+from elasticd.contract.settings import ENTER_FILE_ENV, JOINING_ENV, LEAVE_FILE_ENV
 from elasticd.errors import ConfigError
 from elasticd.rendezvous import admin
+from elasticd.rendezvous.entering import write_entry
 from elasticd.rendezvous.handler import create_handler, parse_params
 from elasticd.rendezvous.keyed import KeyedRendezvousHandler
 from elasticd.rendezvous.keys import JobKeys
@@ -174,6 +176,36 @@ def test_a_drained_node_leaves_instead_of_joining_and_nobody_waits_for_it(make, 
         assert client.get(f"{keys.rdzv_alive}{drained.agent.name}") is None   # left
         assert client.count_prefix(keys.rdzv_joins(stay.world.round + 1)) == 0  # joined nothing
         assert stay.num_nodes_waiting() == 0
+
+
+def test_a_node_entering_in_place_takes_a_world_of_its_own_and_nobody_waits_for_it(
+        make, client, job_id, tmp_path, monkeypatch):
+    """A join in place: the enter file (the live generation) gives this agent a world of
+    its own, its workers started as newcomers of that round; the members' agents see
+    nobody waiting. The file is read once: the next rendezvous is an ordinary one."""
+    enter = tmp_path / "enter"
+    monkeypatch.setenv(ENTER_FILE_ENV, str(enter))
+    monkeypatch.delenv(JOINING_ENV, raising=False)
+    members = [make(0), make(1)]
+    rendezvous_all(members)
+    live = members[0].world.round
+    newcomer = make(2)
+    write_entry(enter, GenerationId(live, 4, newcomer.epoch()))
+    info = newcomer.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1) and not enter.exists()
+    assert os.environ[JOINING_ENV] == "1" and os.environ["ELASTICD_GENERATION"] == str(live)
+    assert os.environ["ELASTICD_GENERATION_EPOCH"] == newcomer.epoch()
+    info.store.set("k", "mine")   # its own prefix: no member's key
+    keys = JobKeys(job_id)
+    assert client.count_prefix(keys.rdzv_joins(live + 1)) == 0
+    assert all(m.num_nodes_waiting() == 0 for m in members)
+    assert newcomer.world == members[0].world   # it watches the members' next round too
+    # A garbled file is one warning and an ordinary round (here: the next one, with all three).
+    enter.write_bytes(b"\x80garbage")
+    with capture_logs() as logs:
+        infos = rendezvous_all([*members, newcomer])
+    assert {i.world_size for i in infos} == {3} and JOINING_ENV not in os.environ
+    assert any(e["event"].startswith("ignoring the enter file") for e in logs), logs
 
 
 @pytest.mark.process

@@ -1,0 +1,124 @@
+"""A join in place as the daemon tracks it (issue 26): whether this node's next agent enters
+the live world as a newcomer instead of joining a round (which would restart every
+member's workers), the agreement once our workers are warm, their entry, and the
+fall-back to an ordinary round.
+
+The course: ``start`` asks ``joins_in_place`` and starts the agent with the live world's
+generation (the daemon writes the enter file: ``elasticd.rendezvous.entering``); our
+workers start as newcomers and report ``warm``; ``joining`` then plans GROW_IN_PLACE (the
+agreement, ``inplace.agreement.grow_world``, and the record handed to our workers); the
+members' daemons adopt the record by their backstop (``reform.generation_news``) and
+their workers re-form after the step their world agrees; ours enter and report the new
+generation. A world that changed before our proposal (a loss, another join) is proposed
+to again from its new generation; anything else that fails, or a join that outlasts its
+bound, kills our agent (no failure counted) and its next start joins an ordinary round.
+"""
+
+from __future__ import annotations
+
+from elasticd.actions import Action, Kind, act
+from elasticd.contract.generation import GenerationId, base_of, current_world
+from elasticd.contract.progress import WORKING
+from elasticd.contract.settings import IN_PLACE
+from elasticd.supervisor.reform import reform_bound_s
+from elasticd.supervisor.state import GONE_STATES, Memory, Policy, Snapshot, agent_running
+
+
+def joins_in_place(snap: Snapshot, mem: Memory, policy: Policy) -> GenerationId | None:
+    """The live world this node's next agent enters as a newcomer, or None (an ordinary
+    round). Only in the in-place mode on keyed rounds (``Policy.join_in_place``), for a
+    node that is not in that world, when the live peers' records cover it (the
+    agreement's base, ``generation.base_of``), it is of the job's newest round and has
+    room (``max_nodes``), and nothing holds this node back (a drain, a cut from the
+    majority, a join that fell back)."""
+    if not (policy.join_in_place and policy.recovery_mode == IN_PLACE
+            and not mem.life.join_fell_back and mem.life.drain_reason is None
+            and mem.peer.isolated_since is None and snap.job_state != "completed"):
+        return None
+    views = [p.world for p in snap.peers.values()
+             if p.world is not None and p.state not in GONE_STATES]
+    newest = current_world(views)
+    if newest is None:
+        return None
+    base = base_of(snap.generation_record, views, newest.id)
+    if (base is None or snap.node_id in base.nodes or len(base.nodes) >= policy.max_nodes
+            or (snap.round is not None and base.id.round < snap.round)):
+        return None
+    return base.id
+
+
+def joining(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:
+    """Bookkeeping of a join in place under way (see the module docstring)."""
+    live = mem.life.joining
+    if live is None:
+        if mem.life.join_fell_back and snap.progress_event in WORKING:
+            return mem.but(join_fell_back=False), [], ""
+        return mem, [], ""
+    out = snap.grown
+    if out is not None:
+        if out.status == "ok":   # the executor's outcome names it in this cycle's line
+            return mem.but(generation_handed=out.record.id, join_agreed_at=snap.now), [], ""
+        again = joins_in_place(snap, mem.but(joining=None), policy)
+        if again is not None and again.same_round(live) and again != live:
+            return (mem.but(joining=again, join_proposed=False), [],
+                    f"the world changed to generation {again} before our join; proposing it again")
+        return _fall_back(snap, mem, out.reason or "no generation with this node")
+    if snap.generation is not None and snap.generation.newer_than(live):
+        return _entered(snap, mem)
+    if mem.life.workers and snap.workers != mem.life.workers:
+        # Our newcomers exited (their entry failed): the agent's next round is ordinary.
+        return _given_up(snap, mem, "our newcomers exited before they entered", [])
+    if snap.progress_event == "warm" and not mem.life.join_proposed and agent_running(snap):
+        return (mem.but(join_proposed=True), [act(Kind.GROW_IN_PLACE, live=live)],
+                "our workers are warm; agreeing the next generation with this node")
+    return _timed_out(snap, mem, policy)
+
+
+def _timed_out(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:
+    if mem.life.join_agreed_at is not None:
+        # The members take it after the step their world agrees (their step time is not
+        # known here: the bound of a planned change, twice).
+        waited, bound = snap.now - mem.life.join_agreed_at, 2 * reform_bound_s(policy, mem, True)
+        what = "entered the agreed generation"
+    else:
+        waited, bound = snap.now - (mem.life.joining_since or snap.now), policy.join_warm_timeout_s
+        what = "were warm and admitted"
+    if waited < bound:
+        return mem, [], ""
+    return _fall_back(snap, mem, f"our workers had not {what} {waited:.1f} s on (bound {bound:.0f} s)")
+
+
+def _entered(snap: Snapshot, mem: Memory) -> tuple[Memory, list[Action], str]:
+    """Our workers report the generation with us: one ``node-joined`` event."""
+    took = round(snap.now - (mem.life.joining_since or snap.now), 3)
+    mem = mem.but(joining=None, joining_since=None, join_proposed=False, join_agreed_at=None)
+    actions = [act(Kind.OBSERVE, metric="join_seconds", label="in-place", value=took),
+               act(Kind.COUNT, metric="in_place_recoveries", label="ok"),
+               act(Kind.JOURNAL, event="node-joined", fields={
+                   "in_place": True, "join_s": took, "generation": str(snap.generation),
+                   "world_size": snap.world.world_size if snap.world is not None else None})]
+    return mem, actions, (f"our workers entered generation {snap.generation} in place, {took:.1f} s "
+                          "after our agent started; nobody restarted")
+
+
+def _fall_back(snap: Snapshot, mem: Memory, reason: str) -> tuple[Memory, list[Action], str]:
+    """Kill our agent (its exit is no failure: ``agent_released``); it starts again at once
+    and joins an ordinary round (the members restart for it: today's path)."""
+    kill = [act(Kind.KILL_AGENT)] if agent_running(snap) else []
+    return _given_up(snap, mem.but(agent_released=bool(kill)), reason, kill)
+
+
+def _given_up(snap: Snapshot, mem: Memory, reason: str,
+              actions: list[Action]) -> tuple[Memory, list[Action], str]:
+    """No join in place this time: the restart that follows is a membership change, not
+    this node's crash, and the next start joins an ordinary round."""
+    took = round(snap.now - (mem.life.joining_since or snap.now), 3)
+    mem = mem.but(joining=None, joining_since=None, join_proposed=False, join_agreed_at=None,
+                  join_fell_back=True, membership_changed_at=snap.now)
+    actions = [*actions, act(Kind.JOURNAL, event="in-place-fallback",
+                             fields={"reason": reason, "fault": "join", "duration_s": took}),
+               act(Kind.COUNT, metric="in_place_recoveries", label="fallback")]
+    return mem, actions, f"the join in place fell back to an ordinary round ({reason})"
+
+
+__all__ = ["joining", "joins_in_place"]
