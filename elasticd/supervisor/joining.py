@@ -89,12 +89,13 @@ def _timed_out(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, lis
 
 
 def _entered(snap: Snapshot, mem: Memory) -> tuple[Memory, list[Action], str]:
-    """Our workers report the generation with us: one ``node-joined`` event."""
+    """Our workers report the generation with us: one ``joined-in-place`` event
+    (``node-joined`` is the daemon's registration in etcd)."""
     took = round(snap.now - (mem.life.joining_since or snap.now), 3)
     mem = mem.but(joining=None, joining_since=None, join_proposed=False, join_agreed_at=None)
     actions = [act(Kind.OBSERVE, metric="join_seconds", label="in-place", value=took),
                act(Kind.COUNT, metric="in_place_recoveries", label="ok"),
-               act(Kind.JOURNAL, event="node-joined", fields={
+               act(Kind.JOURNAL, event="joined-in-place", fields={
                    "in_place": True, "join_s": took, "generation": str(snap.generation),
                    "world_size": snap.world.world_size if snap.world is not None else None})]
     return mem, actions, (f"our workers entered generation {snap.generation} in place, {took:.1f} s "

@@ -39,6 +39,8 @@ REPO = Path(__file__).resolve().parents[2]
 FAULTY = str(REPO / "tests" / "workers" / "reform_fault.py")
 SLOW_START = str(REPO / "tests" / "workers" / "slow_start.py")
 _entry = entry
+# [recovery] join_in_place (opt-in): the newcomer's daemon decides; the members need nothing.
+JOIN_IN_PLACE = "join_in_place = true\n"
 
 
 @pytest.fixture
@@ -186,11 +188,11 @@ def test_a_node_that_joins_a_live_world_enters_it_in_place(job, tmp_path, final)
     generation with it, the two re-form after the step their world agrees and hand it
     the state; nobody restarts or resumes a checkpoint. Checked against the replay."""
     add, nodes = job
-    two = [add(n, final, min_nodes=2) for n in "ab"]
+    two = [add(n, final, min_nodes=2, sections=JOIN_IN_PLACE) for n in "ab"]
     wait_for(lambda: stepping_at(two, 2, 0) and all(n.progress()["step"] >= 15 for n in two),
              120, "a world of 2 at step 15", nodes)
     since = time.time()
-    newcomer = add("c", final, min_nodes=2)
+    newcomer = add("c", final, min_nodes=2, sections=JOIN_IN_PLACE)
     wait_for(lambda: stepping_at([*two, newcomer], 3, since), 90, "world 3", nodes)
     completed([*two, newcomer])
     _joined_in_place(two, newcomer, since)
@@ -204,7 +206,7 @@ def test_a_node_that_rejoins_after_an_in_place_shrink_grows_the_world_back(job, 
     final = 500  # long enough for the newcomer's agent to start and join (~10 s here)
     _, survivors, crash = _lose_one(add, nodes, final, min_nodes=2)
     back = time.time()
-    newcomer = add("d", final, min_nodes=2)
+    newcomer = add("d", final, min_nodes=2, sections=JOIN_IN_PLACE)
     wait_for(lambda: stepping_at([*survivors, newcomer], 3, back), 90, "world 3 again", nodes)
     completed([*survivors, newcomer])
     # The loss and the join, both in place: no survivor restarted or resumed a checkpoint.
@@ -263,7 +265,9 @@ def test_the_jobs_rounds_outlive_a_lost_round_leader(job, tmp_path, etcd_server,
         client.close()
     assert set(found) == {keys.rdzv_round, keys.rdzv_world(0), keys.rdzv_epoch}
     back = time.time()
-    newcomer = add("d", final, min_nodes=2, sections=f"[rendezvous]\nttl = {ttl}\n")
+    # Through a round (a join in place forms none): the round counter's path is the point.
+    newcomer = add("d", final, min_nodes=2,
+                   sections=f"join_in_place = false\n[rendezvous]\nttl = {ttl}\n")
     wait_for(lambda: stepping_at([*survivors, newcomer], 3, back), 90, "world 3 again", nodes)
     completed([*survivors, newcomer])
     everyone = [*three, newcomer]

@@ -105,7 +105,7 @@ def test_the_agreement_then_the_entry_journal_one_node_joined():
     out = decide(warm(now=T + 4, progress_event="reformed", step=57, generation=GROWN.id,
                       world=WorldView("a", GROWN.id, 2, 1, 3)), m, POLICY)
     (journal,) = [a for a in out.actions if a.kind is Kind.JOURNAL]
-    assert journal["event"] == "node-joined" and journal["fields"]["in_place"] is True
+    assert journal["event"] == "joined-in-place" and journal["fields"]["in_place"] is True
     assert journal["fields"]["join_s"] == 4.0 and journal["fields"]["world_size"] == 3
     assert out.memory.life.joining is None
     assert "entered generation 3.1 in place, 4.0 s after our agent started" in out.reason
