@@ -866,16 +866,12 @@ def _targets(report: dict) -> list[str]:
                          + f": {_verdict(ok)}")
     drain = cells.get("drain", {}).get("d")
     if drain and drain.get("pause_s"):
-        pause = drain["pause_s"]
-        lines.append(f"- in place: a drain pauses the others <= {DRAIN_PAUSE_TARGET_S} s: median "
-                     f"{pause['median']:.2f} s (range {pause['min']:.2f}–{pause['max']:.2f}, "
-                     f"{pause['n']} runs): {_verdict(pause['median'] <= DRAIN_PAUSE_TARGET_S)}")
+        lines.append(_median_line(f"in place: a drain pauses the others <= {DRAIN_PAUSE_TARGET_S} s",
+                                  drain["pause_s"], DRAIN_PAUSE_TARGET_S))
     join = cells.get("join", {}).get("d")
     if join and join.get("join_s"):
-        took = join["join_s"]
-        lines.append(f"- in place: a newcomer steps <= {JOINER_TARGET_S} s after its daemon starts: "
-                     f"median {took['median']:.2f} s (range {took['min']:.2f}–{took['max']:.2f}, "
-                     f"{took['n']} runs): {_verdict(took['median'] <= JOINER_TARGET_S)}")
+        lines.append(_median_line(f"in place: a newcomer steps <= {JOINER_TARGET_S} s after its "
+                                  "daemon starts", join["join_s"], JOINER_TARGET_S))
     for row in [r for r in cells if r.endswith("@heavy")]:
         light, heavy = cells.get(row.split("@")[0], {}).get("d"), cells[row].get("d")
         if light and heavy and light["recovery_s"] and heavy["recovery_s"]:
@@ -884,6 +880,12 @@ def _targets(report: dict) -> list[str]:
                          f"mlp {a:.2f} s, heavy {b:.2f} s (allowed +{HEAVY_SLACK_S} s): "
                          f"{_verdict(b <= a + HEAVY_SLACK_S)}")
     return [*lines, ""] if len(lines) > 2 else []
+
+
+def _median_line(text: str, stats: dict[str, Any], limit: float) -> str:
+    """One target's line: its median against ``limit``, with the range and run count."""
+    return (f"- {text}: median {stats['median']:.2f} s (range {stats['min']:.2f}–{stats['max']:.2f}, "
+            f"{stats['n']} runs): {_verdict(stats['median'] <= limit)}")
 
 
 def cpu_by_system(runs: list[dict]) -> dict[str, dict[str, float]]:

@@ -466,14 +466,9 @@ class Daemon:
         """Agree the next in-place generation, hand it to our workers, and (if this
         daemon's write made it) release the old round's exit barrier."""
         lost = action["lost"]
-        try:
-            out = shrink_world(self.client, self.keys, self.node_id, lost, action["cause"],
-                               action["generation"], self._world_views(action["peers"]),
-                               self._stores(), deadline_s=RDZV_EDIT_S)
-        except EtcdError as exc:
-            out = ShrinkOutcome(lost, "failed", reason=f"etcd did not answer: {exc}")
-        if out.status == "ok":
-            out = self._hand_over(out)
+        out = self._agreement(lost, lambda: shrink_world(
+            self.client, self.keys, self.node_id, lost, action["cause"], action["generation"],
+            self._world_views(action["peers"]), self._stores(), deadline_s=RDZV_EDIT_S))
         self._shrink = out
         if out.status == "failed":
             return Outcome(f"no in-place generation: {out.reason}", _generation_fields(out),
@@ -511,22 +506,26 @@ class Daemon:
         """Agree the planned generation with this node (our newcomers are warm) and hand
         it to them; the members' daemons adopt it and their workers re-form after the
         step their world agrees."""
-        me = (self.node_id,)
         # How many workers torch started here (the warm record says), else the config's.
         nproc = self.progress.progress.local_world_size or self.config.job.resolved_nproc()
-        try:
-            out = grow_world(self.client, self.keys, self.node_id, nproc, action["live"],
-                             self._world_views(()), self._stores(), deadline_s=RDZV_EDIT_S)
-        except EtcdError as exc:
-            out = ShrinkOutcome(me, "failed", reason=f"etcd did not answer: {exc}")
-        if out.status == "ok":
-            out = self._hand_over(out)
+        out = self._agreement((self.node_id,), lambda: grow_world(
+            self.client, self.keys, self.node_id, nproc, action["live"], self._world_views(()),
+            self._stores(), deadline_s=RDZV_EDIT_S))
         self._grown = out
         if out.status == "failed":
             return Outcome(f"no join in place: {out.reason}", _generation_fields(out), failed=True)
         verb = "agreed" if out.wrote else "adopted"
         return Outcome(f"generation {out.record.id} {verb} with this node; our workers enter "
                        "it after the step the world agrees", _generation_fields(out))
+
+    def _agreement(self, nodes: tuple[str, ...], agree: Callable[[], ShrinkOutcome]) -> ShrinkOutcome:
+        """One agreement's outcome (a failed one when etcd does not answer), handed to our
+        workers when it names a record for them."""
+        try:
+            out = agree()
+        except EtcdError as exc:
+            return ShrinkOutcome(tuple(nodes), "failed", reason=f"etcd did not answer: {exc}")
+        return self._hand_over(out) if out.status == "ok" else out
 
     def _released(self, out: ShrinkOutcome, text: str) -> Outcome:
         """``text``'s outcome, once the old round's exit barrier is released if this
