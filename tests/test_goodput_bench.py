@@ -134,6 +134,20 @@ def test_history_worlds_weights_each_kept_step_by_its_world() -> None:
     assert g.history_worlds(timeline, -1) == []
 
 
+def test_a_newcomers_warm_record_is_not_a_rollback_of_the_history() -> None:
+    # A loss re-forms 4 -> 3 after step 150; a join in place: the newcomer's worker says
+    # "warm" at step 0 in a world of its own while the world of 3 trains; the world of 4
+    # re-forms after step 300 and goes on.
+    timeline = (steady(0, 15, 0) + [rec(15.1, 150, 3, "reformed")] + steady(15.25, 30, 152, world=3)
+                + [rec(29.0, 0, 1, "warm"), rec(30.1, 300, 4, "reformed")] + steady(30.25, 60, 302))
+    timeline.sort(key=lambda r: r["time"])
+    worlds = g.history_worlds(timeline, 60)
+    assert len(worlds) == g.history_at(timeline, 60) == timeline[-1]["step"]
+    assert worlds[:150] == [4] * 150 and set(worlds[150:300]) == {3} and set(worlds[300:]) == {4}
+    # A warm record just after the end is no rollback either.
+    assert g.history_at(timeline + [rec(61.0, 0, 1, "warm")], 60) == timeline[-1]["step"]
+
+
 def test_sample_goodput_counts_a_smaller_world_as_less_training() -> None:
     # Steps at the fault-free rate but on 2 of 4 nodes: every step, half the samples.
     half = steady(0, 60, 0, world=2)

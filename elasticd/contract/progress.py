@@ -30,6 +30,10 @@ EVENTS = ("step", "resumed", "checkpoint", "stopped", "completed", "reformed", "
 WORKING = ("step", "checkpoint")
 # The events with a re-form's details.
 REFORM_EVENTS = ("reformed", "reform-failed")
+# The events whose step is not the job's: a newcomer that holds no state yet says step 0.
+# Whoever reads the job's history from progress records (the benchmarks' goodput, a
+# timeline) skips them, or a join in place looks like a rollback to step 0.
+NO_HISTORY = ("warm",)
 # The events after which the node's workers are no longer in their group.
 FINISHED = ("completed", "stopped", "reform-failed")
 
