@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -38,6 +39,10 @@ if TYPE_CHECKING:
     from trainer.state import TrainState
 
 log = structlog.get_logger(__name__)
+
+# "1": every rank logs its state's digest (``TrainState.digest``) after each hand-over, so a
+# test can prove a joiner's state bit-equal to its holder's.
+STATE_DIGEST_ENV = "ELASTICD_STATE_DIGEST"
 
 
 class InPlace:
@@ -313,13 +318,14 @@ def hand_over(st: TrainState, device: torch.device, newcomer: bool = False) -> i
     not hold it; a ``newcomer`` holds none. Members at that step already keep theirs (DDP
     made them identical). Returns the step."""
     newest, holder, every = inplace.newest_state(-1 if newcomer else st.step, device)
-    if min(every) == newest:
-        return newest
-    rank = torch.distributed.get_rank()  # in the new group (the context follows)
-    saved = inplace.send_state(st.to_checkpoint() if rank == holder else None, holder, device)
-    if every[rank] != newest:
-        st.scale = st.load_checkpoint(saved, newest)
-    log.info("training state handed over", step=newest, holder=holder, steps=every)
+    if min(every) != newest:
+        rank = torch.distributed.get_rank()  # in the new group (the context follows)
+        saved = inplace.send_state(st.to_checkpoint() if rank == holder else None, holder, device)
+        if every[rank] != newest:
+            st.scale = st.load_checkpoint(saved, newest)
+        log.info("training state handed over", step=newest, holder=holder, steps=every)
+    if os.environ.get(STATE_DIGEST_ENV) == "1":   # a full pass over the state: tests, diagnosis
+        log.info("training state digest", step=newest, digest=st.digest())
     return newest
 
 

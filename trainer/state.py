@@ -24,6 +24,25 @@ log = structlog.get_logger(__name__)
 FORMAT_VERSION = 1
 
 
+def _feed(h: Any, value: Any) -> None:
+    """``value`` into hash ``h``, the same bytes for equal values: dicts by sorted key,
+    tensors by dtype, shape and their bytes, anything else by its type and repr."""
+    if isinstance(value, dict):
+        for key in sorted(value, key=str):
+            h.update(f"k{key!s}:".encode())
+            _feed(h, value[key])
+    elif isinstance(value, list | tuple):
+        h.update(f"l{len(value)}:".encode())
+        for item in value:
+            _feed(h, item)
+    elif isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        h.update(f"t{t.dtype}{tuple(t.shape)}:".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    else:
+        h.update(f"{type(value).__name__}{value!r}:".encode())
+
+
 class Stateful(Protocol):
     """What a checkpoint can hold besides tensors: torch's ``state_dict`` protocol."""
 
@@ -68,6 +87,17 @@ class TrainState:
         if self.stateful:
             state["stateful"] = {key: obj.state_dict() for key, obj in self.stateful.items()}
         return state
+
+    def digest(self) -> str:
+        """A sha256 of what every rank holds alike once a hand-over is done: the step, the
+        model, the optimizer's per-parameter state (not its param groups: their LRs are
+        re-applied just after) and the sampler's position. Equal on two ranks means their
+        states are bit-equal (a joiner's to its holder's)."""
+        h = hashlib.sha256()
+        _feed(h, {"step": self.step, "model": self.model.state_dict(),
+                  "optimizer": self.optimizer.state_dict()["state"],
+                  "sampler": self.sampler.state_dict() if self.sampler is not None else None})
+        return h.hexdigest()
 
     def load_checkpoint(self, saved: dict[str, Any], step: int) -> LRScale:
         """Restore model, optimizer and data position; return the saved LR scale.

@@ -368,3 +368,24 @@ def test_a_worker_still_joining_its_process_group_dies_of_sigterm_at_once(tmp_pa
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_state_digest_is_equal_for_equal_states_and_sees_one_ulp():
+    from trainer.state import TrainState
+
+    model, opt = _opt()
+    _step(model, opt)
+    a = TrainState(model, opt, None, step=4)
+    twin_model = torch.nn.Linear(3, 1)
+    twin_model.load_state_dict(model.state_dict())
+    twin_opt = torch.optim.SGD(twin_model.parameters(), lr=0.7, momentum=0.9)   # another LR
+    twin_opt.load_state_dict(opt.state_dict())
+    for group in twin_opt.param_groups:
+        group["lr"] = 0.7   # re-applied after a hand-over: not part of the digest
+    b = TrainState(twin_model, twin_opt, None, step=4)
+    assert a.digest() == b.digest()
+    assert a.digest() != TrainState(twin_model, twin_opt, None, step=5).digest()
+    with torch.no_grad():
+        w = twin_model.weight
+        w[0, 0] = torch.nextafter(w[0, 0], torch.tensor(2.0))   # one ulp
+    assert a.digest() != b.digest()
