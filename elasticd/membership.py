@@ -31,7 +31,7 @@ from typing import Any
 
 import structlog
 
-from elasticd.contract.generation import GenerationRecordError, WorldView, is_endpoint
+from elasticd.contract.generation import Entering, GenerationRecordError, WorldView, is_endpoint
 from elasticd.errors import EtcdError
 from elasticd.etcd_client import EtcdClient, KeyValue, WatchEvent
 from elasticd.lease import LeaseKeeper
@@ -53,6 +53,7 @@ class Peer:
     world: WorldView | None = None   # what its workers report of their world (validated)
     store: str | None = None         # HOST:PORT of its daemon's TCP store (validated)
     suspects: frozenset[str] = frozenset()  # the peers it suspects dead (elasticd.quorum)
+    entering: Entering | None = None  # its newcomers wait to enter a live world (validated)
 
     @property
     def state(self) -> str:
@@ -69,7 +70,8 @@ class Peer:
 
     def view(self) -> PeerView:
         return PeerView(self.node_id, self.state, self.agent, self.mod_revision, self.probe,
-                        world=self.world, store=self.store, suspects=self.suspects)
+                        world=self.world, store=self.store, suspects=self.suspects,
+                        entering=self.entering)
 
 
 def parse_record(node_id: str, value: bytes, mod_revision: int) -> Peer | None:
@@ -85,7 +87,7 @@ def parse_record(node_id: str, value: bytes, mod_revision: int) -> Peer | None:
         return None
     record.setdefault("state", "starting")
     return Peer(node_id, record, mod_revision, _world(node_id, record), _store(node_id, record),
-                _suspects(node_id, record))
+                _suspects(node_id, record), _entering(node_id, record))
 
 
 def _suspects(node_id: str, record: dict[str, Any]) -> frozenset[str]:
@@ -107,6 +109,19 @@ def _world(node_id: str, record: dict[str, Any]) -> WorldView | None:
         return WorldView.from_record(node_id, raw)
     except GenerationRecordError as exc:
         log.warning("ignoring a malformed world in a node record", key=f"nodes/{node_id}",
+                    problem=str(exc))
+        return None
+
+
+def _entering(node_id: str, record: dict[str, Any]) -> Entering | None:
+    """The record's ``entering``; a malformed one is no newcomer to take along."""
+    raw = record.get("entering")
+    if raw is None:
+        return None
+    try:
+        return Entering.from_record(node_id, raw)
+    except GenerationRecordError as exc:
+        log.warning("ignoring a malformed entering field in a node record", key=f"nodes/{node_id}",
                     problem=str(exc))
         return None
 

@@ -48,7 +48,8 @@ class JobView:
 
 class JobReader:
     """Reads ``/state``, this node's drain key, the rendezvous state and the agreed
-    generation every ``every_s``.
+    generation every ``every_s``, and at the next ``read`` after one of them changed once
+    ``watch`` is on.
 
     One atomic read (fail-fast, within the caller's deadline); on an etcd error the
     last view is kept with ``ok=False``.
@@ -62,23 +63,54 @@ class JobReader:
         self._every_s = every_s
         self._clock = clock
         self._read_at = float("-inf")
+        self._cancels: list[Callable[[], None]] = []
+        self._rearm = False      # the watch is off after a broken stream: re-arm it at a read
         self._warned: set[tuple[str, int]] = set()
         self.view = JobView()
         self.round_trips: list[float] = []   # durations of successful reads, taken by the metrics
+
+    @property
+    def _keys_read(self) -> list[str]:
+        return [self._keys.state, self._drain_key, self._keys.rdzv_state, self._keys.generation,
+                self._keys.rdzv_round, self._keys.rdzv_closed]
+
+    def watch(self) -> None:
+        """Read again at the next ``read`` whenever a key it reads changes: a member learns a
+        generation agreed by a joiner (or a drain request) within the caller's tick, not
+        within ``every_s``. The period stays the fallback; a watch that cannot be set up or
+        whose stream breaks is set up again at a later read."""
+        self.unwatch()
+        try:
+            # A prefix watch: a key that merely starts like one of them wakes a read early.
+            self._cancels = [self._client.watch_prefix(key, self._changed) for key in self._keys_read]
+            self._rearm = False
+        except EtcdError:
+            self._rearm = True
+
+    def unwatch(self) -> None:
+        cancels, self._cancels = self._cancels, []
+        for cancel in cancels:
+            cancel()
+
+    def _changed(self, news: object) -> None:
+        # On the client's watch thread: one assignment, read by ``read`` on the caller's.
+        self._read_at = float("-inf")
+        if isinstance(news, EtcdError):
+            self._rearm = True
 
     def read(self) -> JobView:
         now = self._clock()
         if now - self._read_at < self._every_s:
             return self.view
-        self._read_at = now
+        self._read_at = now   # before the get: a change seen during it wakes the next read
         try:
-            found, _ = self._client.get_many([self._keys.state, self._drain_key,
-                                              self._keys.rdzv_state, self._keys.generation,
-                                              self._keys.rdzv_round, self._keys.rdzv_closed])
+            found, _ = self._client.get_many(self._keys_read)
             self.round_trips.append(self._clock() - now)
         except EtcdError:
             self.view = dataclasses.replace(self.view, ok=False)
             return self.view
+        if self._rearm:
+            self.watch()
         round_, closed = self._round(found)
         members = self._members(round_, self._keys.rdzv_round in found)
         if members is None:

@@ -269,6 +269,33 @@ class WorldView:
         return cls(node, GenerationId.from_dict(raw.get("generation")), first, nproc, size)
 
 
+@dataclass(frozen=True)
+class Entering:
+    """What a newcomer's record says while its workers wait to enter a live world in place
+    (published by its daemon, ``supervisor.joining``): the world they were started for,
+    whether they are warm yet and how many there are. Another newcomer proposing a join
+    to the same world takes the warm ones into its generation (several joiners, one
+    re-form) and waits a little for those not warm yet."""
+
+    node: str
+    live: GenerationId
+    warm: bool
+    nproc: int
+
+    def to_record(self) -> dict[str, Any]:
+        """The ``entering`` field of the node's etcd record."""
+        return {"generation": self.live.as_dict(), "warm": self.warm, "nproc": self.nproc}
+
+    @classmethod
+    def from_record(cls, node: str, raw: Any) -> Entering:
+        """Parse a record's ``entering`` field; ``GenerationRecordError`` names what is wrong."""
+        _require(isinstance(raw, Mapping), "entering", raw, "an object")
+        warm, nproc = raw.get("warm"), raw.get("nproc")
+        _require(isinstance(warm, bool), "entering warm", warm, "true or false")
+        _require(_is_count(nproc) and nproc >= 1, "entering nproc", nproc, "an integer >= 1")
+        return cls(node, GenerationId.from_dict(raw.get("generation")), warm, nproc)
+
+
 def current_world(views: Iterable[WorldView]) -> GenerationRecord | None:
     """The record of the newest generation the nodes report, if their reports cover it.
 

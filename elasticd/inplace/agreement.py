@@ -103,10 +103,12 @@ def drain_world(client: EtcdClient, keys: JobKeys, node_id: str, workers: Genera
 
 def grow_world(client: EtcdClient, keys: JobKeys, node_id: str, nproc: int, live: GenerationId,
                views: Iterable[WorldView], stores: Mapping[str, str],
-               deadline_s: float = 1.0) -> ShrinkOutcome:
+               deadline_s: float = 1.0, others: Mapping[str, int] | None = None) -> ShrinkOutcome:
     """Agree the planned generation after ``live`` (the members' world, which this node's
     warm newcomers wait to enter) with this node and its ``nproc`` workers after the
-    members (they keep their ranks). The group forms through the store of rank 0's daemon.
+    members (they keep their ranks), and with ``others`` (node: nproc, other nodes' warm
+    newcomers of ``live``) not in it yet: the joiners in node order. The group forms
+    through the store of rank 0's daemon.
 
     ``status`` ``ok``: the agreed record names this node among the joined (ours, or
     another writer's that already does): hand it to our workers. ``failed``: no join in
@@ -121,7 +123,8 @@ def grow_world(client: EtcdClient, keys: JobKeys, node_id: str, nproc: int, live
         store = stores.get(base.members[0].node) or base.store
         if base.id != live or store is None:
             return None
-        return generation.grow(base, [(node_id, nproc)], store, created=time.time())
+        joiners = sorted({**(others or {}), node_id: nproc}.items())   # grow skips members
+        return generation.grow(base, joiners, store, created=time.time())
 
     out = _agree(client, keys, live, views, deadline_s, make=make,
                  settled=lambda base: node_id in base.joined)

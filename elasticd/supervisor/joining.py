@@ -9,7 +9,10 @@ workers start as newcomers and report ``warm``; ``joining`` then plans GROW_IN_P
 agreement, ``inplace.agreement.grow_world``, and the record handed to our workers); the
 members' daemons adopt the record by their backstop (``reform.generation_news``) and
 their workers re-form after the step their world agrees; ours enter and report the new
-generation. A world that changed before our proposal (a loss, another join) is proposed
+generation. Our record says ``entering`` meanwhile (``contract.generation.Entering``):
+a warm newcomer takes the other warm newcomers of the same live world into its proposal
+and waits up to ``Policy.join_batch_s`` for those not warm yet, so several joiners enter
+as one generation. A world that changed before our proposal (a loss, another join) is proposed
 to again from its new generation; anything else that fails, or a join that outlasts its
 bound, kills our agent (no failure counted) and its next start joins an ordinary round.
 """
@@ -17,7 +20,7 @@ bound, kills our agent (no failure counted) and its next start joins an ordinary
 from __future__ import annotations
 
 from elasticd.actions import Action, Kind, act
-from elasticd.contract.generation import GenerationId, base_of, current_world
+from elasticd.contract.generation import Entering, GenerationId, base_of, current_world
 from elasticd.contract.progress import WORKING
 from elasticd.contract.settings import IN_PLACE
 from elasticd.supervisor.reform import reform_bound_s
@@ -69,9 +72,44 @@ def joining(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[A
         # Our newcomers exited (their entry failed): the agent's next round is ordinary.
         return _given_up(snap, mem, "our newcomers exited before they entered", [])
     if snap.progress_event == "warm" and not mem.life.join_proposed and agent_running(snap):
-        return (mem.but(join_proposed=True), [act(Kind.GROW_IN_PLACE, live=live)],
-                "our workers are warm; agreeing the next generation with this node")
+        return _propose(snap, mem, policy, live)
     return _timed_out(snap, mem, policy)
+
+
+def entering(snap: Snapshot, live: GenerationId | None, policy: Policy, warm: bool) -> list[Action]:
+    """Publish that our newcomers wait to enter ``live`` (warm yet or not); nothing when
+    this start joins an ordinary round."""
+    if live is None:
+        return []
+    return [act(Kind.PUBLISH, fields={
+        "entering": Entering(snap.node_id, live, warm, policy.nproc).to_record()})]
+
+
+def _propose(snap: Snapshot, mem: Memory, policy: Policy,
+             live: GenerationId) -> tuple[Memory, list[Action], str]:
+    """Our workers are warm: agree the generation with us and every other warm newcomer
+    of ``live``, after waiting (``join_batch_s`` at most) for those not warm yet."""
+    actions: list[Action] = []
+    if mem.life.join_warm_at is None:   # just warm: say so, for the other newcomers
+        mem = mem.but(join_warm_at=snap.now)
+        actions = entering(snap, live, policy, warm=True)
+    warm_for = snap.now - (mem.life.join_warm_at or snap.now)
+    newcomers = [p.entering for p in snap.peers.values()
+                 if p.entering is not None and p.entering.live == live and p.state not in GONE_STATES]
+    cold = sorted(e.node for e in newcomers if not e.warm)
+    record = snap.generation_record
+    named = record is not None and record.id.newer_than(live) and snap.node_id in record.joined
+    if cold and not named and warm_for < policy.join_batch_s:
+        said = (f"our workers are warm; waiting up to {policy.join_batch_s:.0f} s for the newcomers "
+                f"of {', '.join(cold)} to be warm too (one generation for all)") if actions else ""
+        return mem, actions, said
+    # As many as the world has room for (``max_nodes``), in node order like the record.
+    members = sum(p.world is not None and p.world.generation == live for p in snap.peers.values())
+    room = max(policy.max_nodes - members - 1, 0)
+    others = tuple(sorted((e.node, e.nproc) for e in newcomers if e.warm))[:room]
+    with_them = f" and {', '.join(n for n, _ in others)}" if others else ""
+    return (mem.but(join_proposed=True), [*actions, act(Kind.GROW_IN_PLACE, live=live, others=others)],
+            f"our workers are warm; agreeing the next generation with this node{with_them}")
 
 
 def _timed_out(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:
@@ -92,8 +130,10 @@ def _entered(snap: Snapshot, mem: Memory) -> tuple[Memory, list[Action], str]:
     """Our workers report the generation with us: one ``joined-in-place`` event
     (``node-joined`` is the daemon's registration in etcd)."""
     took = round(snap.now - (mem.life.joining_since or snap.now), 3)
-    mem = mem.but(joining=None, joining_since=None, join_proposed=False, join_agreed_at=None)
-    actions = [act(Kind.OBSERVE, metric="join_seconds", label="in-place", value=took),
+    mem = mem.but(joining=None, joining_since=None, join_proposed=False, join_agreed_at=None,
+                  join_warm_at=None)
+    actions = [act(Kind.PUBLISH, fields={"entering": None}),
+               act(Kind.OBSERVE, metric="join_seconds", label="in-place", value=took),
                act(Kind.COUNT, metric="in_place_recoveries", label="ok"),
                act(Kind.JOURNAL, event="joined-in-place", fields={
                    "in_place": True, "join_s": took, "generation": str(snap.generation),
@@ -115,11 +155,12 @@ def _given_up(snap: Snapshot, mem: Memory, reason: str,
     this node's crash, and the next start joins an ordinary round."""
     took = round(snap.now - (mem.life.joining_since or snap.now), 3)
     mem = mem.but(joining=None, joining_since=None, join_proposed=False, join_agreed_at=None,
-                  join_fell_back=True, membership_changed_at=snap.now)
-    actions = [*actions, act(Kind.JOURNAL, event="in-place-fallback",
-                             fields={"reason": reason, "fault": "join", "duration_s": took}),
+                  join_warm_at=None, join_fell_back=True, membership_changed_at=snap.now)
+    actions = [*actions, act(Kind.PUBLISH, fields={"entering": None}),
+               act(Kind.JOURNAL, event="in-place-fallback",
+                   fields={"reason": reason, "fault": "join", "duration_s": took}),
                act(Kind.COUNT, metric="in_place_recoveries", label="fallback")]
     return mem, actions, f"the join in place fell back to an ordinary round ({reason})"
 
 
-__all__ = ["joining", "joins_in_place"]
+__all__ = ["entering", "joining", "joins_in_place"]

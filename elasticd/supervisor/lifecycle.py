@@ -10,7 +10,7 @@ from elasticd.actions import Action, Kind, act
 from elasticd.contract.generation import base_of
 from elasticd.contract.progress import WORKING
 from elasticd.contract.settings import IN_PLACE
-from elasticd.supervisor.joining import joins_in_place
+from elasticd.supervisor.joining import entering, joins_in_place
 from elasticd.supervisor.journal import records_recovery
 from elasticd.supervisor.reform import left_out_while_draining, reform_bound_s
 from elasticd.supervisor.state import (
@@ -407,13 +407,13 @@ def start(snap: Snapshot, mem: Memory, policy: Policy):
         return None
     verb = "restarting" if mem.phase is Phase.BACKOFF else "starting"
     live = joins_in_place(snap, mem, policy)
-    actions = [act(Kind.START_AGENT, enter=live)]
+    actions = [act(Kind.START_AGENT, enter=live), *entering(snap, live, policy, warm=False)]
     if not mem.life.ready_sent:
         actions.append(act(Kind.NOTIFY, what="ready"))
     mem = change_phase(mem, Phase.RUNNING, exit_handled=False, agent_released=False,
                   round_broken_since=None, workers=frozenset(), step_at=None, workers_at=None,
                   ready_sent=True, reformed_without=frozenset(), joining=live,
                   joining_since=snap.now if live is not None else None, join_proposed=False,
-                  join_agreed_at=None)
+                  join_agreed_at=None, join_warm_at=None)
     how = f" to enter generation {live} in place (its workers start as newcomers)" if live else ""
     return mem, actions, f"{verb} the torchrun agent{how}"

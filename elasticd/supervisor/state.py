@@ -11,7 +11,7 @@ from types import MappingProxyType
 from typing import Any
 
 from elasticd.actions import Action, Kind
-from elasticd.contract.generation import GenerationId, GenerationRecord, WorldView
+from elasticd.contract.generation import Entering, GenerationId, GenerationRecord, WorldView
 from elasticd.contract.progress import Reform
 from elasticd.contract.settings import DEFAULT_RECOVERY, RecoveryMode
 from elasticd.inplace.agreement import ShrinkOutcome
@@ -97,9 +97,14 @@ class Policy:
     # [recovery] join_in_place setting, on keyed rounds in the in-place mode only.
     join_in_place: bool = False
     max_nodes: int = 1 << 30
+    nproc: int = 1   # workers per node ([job] nproc_per_node, resolved)
     # A newcomer's workers that are not warm (imports, device, model) this long after its
     # agent started are given up: the agent starts again and joins an ordinary round.
     join_warm_timeout_s: float = 120.0
+    # A warm newcomer waits this long at most for another newcomer that is entering the
+    # same live world but not warm yet, so that both enter as one generation (the members
+    # re-form once for both, not once each).
+    join_batch_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,7 @@ class PeerView:
     world: WorldView | None = None         # its workers' world, as its record says
     store: str | None = None               # HOST:PORT of its daemon's TCP store
     suspects: frozenset[str] = frozenset()  # the peers it suspects dead (elasticd.quorum)
+    entering: Entering | None = None       # its newcomers wait to enter a live world
 
 
 @dataclass(frozen=True)
@@ -232,6 +238,7 @@ class Lifecycle:
     join_proposed: bool = False
     join_agreed_at: float | None = None
     join_fell_back: bool = False
+    join_warm_at: float | None = None   # when our newcomers reported warm (published then)
 
 
 @dataclass(frozen=True)

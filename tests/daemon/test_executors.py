@@ -436,7 +436,7 @@ def test_grow_in_place_agrees_the_generation_with_this_node_after_the_members(da
         "world": WorldView("b", gen, 0, 2, 2).to_record()})
     assert daemon.observe().world is None
     with capture_logs():
-        out = daemon._execute(act(Kind.GROW_IN_PLACE, live=gen))
+        out = daemon._execute(act(Kind.GROW_IN_PLACE, live=gen, others=()))
     assert not out.failed and "with this node" in out.text, out
     record = GenerationRecord.from_json(client.get(keys.generation).value)
     assert record.id == gen.next() and record.planned and record.joined == ("a",)
@@ -445,8 +445,24 @@ def test_grow_in_place_agrees_the_generation_with_this_node_after_the_members(da
     assert generation.read_file(str(daemon.files.generation)) == record
     assert daemon.observe().grown.status == "ok"
     # Asked again for the world it has already changed: the change is adopted, not redone.
-    again = daemon._execute(act(Kind.GROW_IN_PLACE, live=gen))
+    again = daemon._execute(act(Kind.GROW_IN_PLACE, live=gen, others=()))
     assert "adopted" in again.text and client.get(keys.generation).value == record.to_json().encode()
+
+
+def test_grow_in_place_takes_the_other_warm_newcomers_into_the_same_generation(daemon, client, keys):
+    gen = GenerationId(3, 0, "e")
+    write_progress(daemon, event="warm", step=0, world_size=1, rank=0, local_world_size=1,
+                   generation=gen.as_dict())
+    put_json(client, keys.node("b"), {
+        "state": "running", "agent_pid": 77, "addr": PEER_ADDR, "store": f"{PEER_ADDR}:29601",
+        "world": WorldView("b", gen, 0, 1, 1).to_record()})
+    daemon.observe()
+    out = daemon._execute(act(Kind.GROW_IN_PLACE, live=gen, others=(("0c", 2),)))
+    assert not out.failed, out
+    record = GenerationRecord.from_json(client.get(keys.generation).value)
+    assert record.joined == ("0c", "a")   # node order, like every newcomer computes it
+    assert [(m.node, m.first_rank, m.nproc) for m in record.members] == [("b", 0, 1), ("0c", 1, 2),
+                                                                         ("a", 3, 1)]
 
 
 def test_a_grow_of_a_world_that_changed_first_is_a_failed_outcome(daemon, client, keys):
@@ -455,7 +471,7 @@ def test_a_grow_of_a_world_that_changed_first_is_a_failed_outcome(daemon, client
         "state": "running", "agent_pid": 77, "addr": PEER_ADDR, "store": f"{PEER_ADDR}:29601",
         "world": WorldView("b", gen, 0, 2, 2).to_record()})
     daemon.observe()
-    out = daemon._execute(act(Kind.GROW_IN_PLACE, live=GenerationId(2, 0, "e")))
+    out = daemon._execute(act(Kind.GROW_IN_PLACE, live=GenerationId(2, 0, "e"), others=()))
     assert out.failed and "no join in place" in out.text
     assert client.get(keys.generation) is None and not daemon.files.generation.exists()
 

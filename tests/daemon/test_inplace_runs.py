@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from elasticd.config import load_config
+from elasticd.ops.doctor import DIR_ID_FILE
 from elasticd.ops.status import read_status
 from elasticd.rendezvous.keys import JobKeys
 from tests.conftest import connect
@@ -39,7 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
 FAULTY = str(REPO / "tests" / "workers" / "reform_fault.py")
 SLOW_START = str(REPO / "tests" / "workers" / "slow_start.py")
 _entry = entry
-# [recovery] join_in_place (opt-in): the newcomer's daemon decides; the members need nothing.
+# [recovery] join_in_place (on by default; said where a test depends on it): the newcomer's daemon decides.
 JOIN_IN_PLACE = "join_in_place = true\n"
 
 
@@ -48,12 +49,14 @@ def job(tmp_path, job_id, etcd_server):
     nodes: list[DaemonNode] = []
 
     def add(name: str, final: int, script: str = MLP, mode: str = "in-place",
-            min_nodes: int = 3, sections: str = "", env: dict | None = None) -> DaemonNode:
+            min_nodes: int = 3, sections: str = "", env: dict | None = None,
+            max_nodes: int = 3, ckpt_dir: Path | None = None) -> DaemonNode:
         # min_nodes 3 by default: with fewer, the first world could run the whole job
         # before the third node joined (seen); the restart-path tests need 2.
         node = DaemonNode(name, etcd_server.endpoint, job_id, tmp_path, {
             "entrypoint": _entry(final, script), "every_steps": 10, "min_nodes": min_nodes,
-            "sections": f'[recovery]\nmode = "{mode}"\n{sections}'}, env=env or {}).start()
+            "max_nodes": max_nodes, "sections": f'[recovery]\nmode = "{mode}"\n{sections}'},
+            env=env or {}, ckpt_dir=ckpt_dir).start()
         nodes.append(node)
         return node
 
@@ -199,6 +202,83 @@ def test_a_node_that_joins_a_live_world_enters_it_in_place(job, tmp_path, final)
     history = _matches_the_replay(two[0], tmp_path / "ckpt", final)
     assert [w for _, (w, _) in sorted(history.items())][-1] == 3
     assert {w for w, _ in history.values()} == {2, 3}
+
+
+def test_two_nodes_that_join_at_once_enter_as_one_generation(job, tmp_path):
+    """Issue 26: two nodes started together beside a world of two: the first newcomer warm
+    waits for the other (``join_batch_s``) and proposes one generation with both; the
+    members re-form once, for both; nobody restarts. Checked against the replay."""
+    add, nodes = job
+    final = 500
+    two = [add(n, final, min_nodes=2, max_nodes=4) for n in "ab"]
+    wait_for(lambda: stepping_at(two, 2, 0) and all(n.progress()["step"] >= 15 for n in two),
+             120, "a world of 2 at step 15", nodes)
+    since = time.time()
+    newcomers = [add(n, final, min_nodes=2, max_nodes=4) for n in "cd"]
+    wait_for(lambda: stepping_at([*two, *newcomers], 4, since), 120, "world 4", nodes)
+    completed([*two, *newcomers])
+    for node in two:
+        reformed = [e for e in agent_events(node, "reformed") if e["time"] > since]
+        assert [(e["cause"], e["joined"], e["world_size"]) for e in reformed] == [
+            ("join", ["c", "d"], 4)], node.log_tail()
+        assert not [r for r in progress_records(node) if r["event"] == "resumed" and r["time"] > since]
+    for node in newcomers:
+        (entered,) = [e for e in agent_events(node, "reformed") if e.get("newcomer")]
+        assert entered["world_size"] == 4 and entered["joined"] == ["c", "d"]
+        assert not [r for r in progress_records(node) if r["event"] == "resumed"]
+    history = _matches_the_replay(two[0], tmp_path / "ckpt", final)
+    assert {w for w, _ in history.values()} == {2, 4}
+
+
+def test_a_joiner_without_the_checkpoint_directory_takes_the_holders_state_bit_equal(job, tmp_path):
+    """Issue 26: the newcomer's checkpoint directory is its own, empty (no shared
+    filesystem): it joins in place all the same, reads nothing there, and its state after
+    the hand-over is bit-equal to the holder's (every rank logs the digest of its model,
+    optimizer state, step and sampler: ``TrainState.digest``)."""
+    add, nodes = job
+    final, digests = 300, {"ELASTICD_STATE_DIGEST": "1"}
+    two = [add(n, final, min_nodes=2, env=digests) for n in "ab"]
+    wait_for(lambda: stepping_at(two, 2, 0) and all(n.progress()["step"] >= 15 for n in two),
+             120, "a world of 2 at step 15", nodes)
+    since, own = time.time(), tmp_path / "c-own-disk"
+    newcomer = add("c", final, min_nodes=2, env=digests, ckpt_dir=own)
+    wait_for(lambda: stepping_at([*two, newcomer], 3, since), 90, "world 3", nodes)
+    completed([*two, newcomer])
+    _joined_in_place(two, newcomer, since)
+    # No checkpoint there to read, none written: only the doctor's id of the directory.
+    assert {p.name for p in own.iterdir()} <= {DIR_ID_FILE}
+    (mine,) = agent_events(newcomer, "training state digest")
+    theirs = [e["digest"] for node in two for e in agent_events(node, "training state digest")
+              if e["step"] == mine["step"]]
+    assert theirs == [mine["digest"]] * 2
+    _matches_the_replay(two[0], tmp_path / "ckpt", final)
+
+
+def test_a_join_while_a_loss_is_re_formed_enters_the_shrunk_world(job, tmp_path):
+    """Issue 26: a node starts as another crashes: the loss is re-formed in place first
+    and the newcomer joins the world that is left (its proposal to the old world fails,
+    it proposes again), all in place: nobody restarts. Checked against the replay."""
+    add, nodes = job
+    final = 500
+    three = _three(lambda name, final, script, min_nodes: add(
+        name, final, script, min_nodes=2, max_nodes=4), final)
+    victim = by_rank(three, rank0=False)
+    survivors = [n for n in three if n is not victim]
+    since = time.time()
+    newcomer = add("d", final, min_nodes=2, max_nodes=4)
+    wait_for(lambda: (newcomer.daemon_events() and "to enter generation" in " ".join(
+        e["event"] for e in newcomer.daemon_events())), 60, "the newcomer's agent entering", nodes)
+    victim.kill()   # its loss is detected and re-formed while the newcomer warms up
+    wait_for(lambda: stepping_at([*survivors, newcomer], 3, since), 120, "world 3 with d", nodes)
+    completed([*survivors, newcomer])
+    for node in survivors:
+        assert not [r for r in progress_records(node) if r["event"] == "resumed" and r["time"] > since]
+        causes = [e["cause"] for e in agent_events(node, "reformed") if e["time"] > since]
+        assert causes.count("join") == 1 and len(causes) == 2, causes   # the loss, the join
+    (entered,) = [e for e in agent_events(newcomer, "reformed") if e.get("newcomer")]
+    assert entered["world_size"] == 3
+    history = _matches_the_replay(survivors[0], tmp_path / "ckpt", final)
+    assert [w for _, (w, _) in sorted(history.items())][-1] == 3
 
 
 def test_a_node_that_rejoins_after_an_in_place_shrink_grows_the_world_back(job, tmp_path):

@@ -8,7 +8,14 @@ from dataclasses import replace
 import pytest
 
 from elasticd.actions import Kind
-from elasticd.contract.generation import GenerationId, GenerationRecord, WorldView, grow, renumber
+from elasticd.contract.generation import (
+    Entering,
+    GenerationId,
+    GenerationRecord,
+    WorldView,
+    grow,
+    renumber,
+)
 from elasticd.contract.progress import Progress
 from elasticd.contract.settings import IN_PLACE
 from elasticd.inplace.agreement import ShrinkOutcome
@@ -40,7 +47,8 @@ def snap(**kw) -> Snapshot:
 def started(policy: Policy = POLICY, **kw) -> Memory:
     """The memory after the start rule, checked: the agent enters G in place."""
     out = decide(snap(**kw), Memory(), policy)
-    assert out.kinds() == [Kind.START_AGENT, Kind.NOTIFY] and out.actions[0]["enter"] == G
+    assert out.kinds() == [Kind.START_AGENT, Kind.PUBLISH, Kind.NOTIFY] and out.actions[0]["enter"] == G
+    assert out.actions[1]["fields"] == {"entering": {"generation": G.as_dict(), "warm": False, "nproc": 1}}
     assert "to enter generation 3.0 in place" in out.reason
     return out.memory
 
@@ -82,7 +90,8 @@ def test_the_agreed_generation_is_the_base_when_it_is_newer_than_the_records():
 def test_warm_newcomers_propose_the_generation_with_this_node_once():
     m = started()
     out = decide(warm(now=T + 3), m, POLICY)
-    assert out.kinds() == [Kind.GROW_IN_PLACE] and out.actions[0]["live"] == G
+    assert out.kinds() == [Kind.PUBLISH, Kind.GROW_IN_PLACE] and out.actions[1]["live"] == G
+    assert out.actions[0]["fields"]["entering"]["warm"] is True and out.actions[1]["others"] == ()
     again = decide(warm(now=T + 3.5), out.memory, POLICY)
     assert Kind.GROW_IN_PLACE not in again.kinds()
 
@@ -127,6 +136,51 @@ def test_a_world_that_changed_before_our_proposal_is_proposed_to_again():
     assert "proposing it again" in out.reason
     out = decide(warm(now=T + 3.4, generation_record=shrunk), out.memory, POLICY)
     assert out.kinds() == [Kind.GROW_IN_PLACE] and out.actions[0]["live"] == G.next()
+
+
+def newcomer(node: str, warm: bool, live: GenerationId = G) -> PeerView:
+    return PeerView(node, "running", ("127.0.0.9", 90), 7, "127.0.0.9:9",
+                    entering=Entering(node, live, warm, 1))
+
+
+def test_a_warm_newcomer_takes_the_other_warm_newcomers_into_one_generation():
+    peers = {**PEERS, "d": newcomer("d", True), "e": newcomer("e", True, G.next())}
+    out = decide(warm(now=T + 3, peers=peers), started(peers=peers), POLICY)
+    (grow_,) = [a for a in out.actions if a.kind is Kind.GROW_IN_PLACE]
+    assert grow_["others"] == (("d", 1),)   # not e: it waits for another world
+    assert "with this node and d" in out.reason
+
+
+def test_a_warm_newcomer_waits_for_one_not_warm_yet_then_proposes_with_it():
+    peers = {**PEERS, "d": newcomer("d", False)}
+    m = started(peers=peers)
+    out = decide(warm(now=T + 3, peers=peers), m, POLICY)
+    assert out.kinds() == [Kind.PUBLISH] and "waiting up to 5 s for the newcomers of d" in out.reason
+    quiet = decide(warm(now=T + 4, peers=peers), out.memory, POLICY)
+    assert quiet.actions == () and quiet.reason == ""
+    warm_d = {**PEERS, "d": newcomer("d", True)}
+    out = decide(warm(now=T + 5, peers=warm_d), quiet.memory, POLICY)
+    assert out.kinds() == [Kind.GROW_IN_PLACE] and out.actions[0]["others"] == (("d", 1),)
+
+
+@pytest.mark.parametrize("why, now, kw", [
+    ("its bound passed", T + 8.1, {}),
+    ("another newcomer's record names us already", T + 4,
+     {"generation_record": grow(LIVE, [("a", 1), ("d", 1)])}),
+])
+def test_the_wait_for_another_newcomer_ends(why, now, kw):
+    peers = {**PEERS, "d": newcomer("d", False)}
+    m = decide(warm(now=T + 3, peers=peers), started(peers=peers), POLICY).memory
+    out = decide(warm(now=now, peers=peers, **kw), m, POLICY)
+    (grow_,) = [a for a in out.actions if a.kind is Kind.GROW_IN_PLACE]
+    assert grow_["others"] == (), why
+
+
+def test_newcomers_past_the_worlds_room_wait_for_a_later_generation():
+    peers = {**PEERS, "d": newcomer("d", True), "e": newcomer("e", True)}
+    out = decide(warm(now=T + 3, peers=peers), started(peers=peers), replace(POLICY, max_nodes=4))
+    (grow_,) = [a for a in out.actions if a.kind is Kind.GROW_IN_PLACE]
+    assert grow_["others"] == (("d", 1),)   # b, c, a, d: full
 
 
 def _fell_back(out) -> None:

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from datetime import timedelta
 
 import pytest
 
-from elasticd.contract.generation import GenerationId, GenerationRecord, WorldView, renumber
+from elasticd.contract.generation import Entering, GenerationId, GenerationRecord, WorldView, renumber
 from elasticd.contract.progress import Reform, parse_progress
 from elasticd.errors import EtcdError
 from elasticd.etcd_client import EtcdClient, EtcdSettings
@@ -215,6 +216,16 @@ def test_a_garbled_world_or_store_leaves_them_unknown_not_the_peer(fields):
     assert (peer.view().world, peer.view().store) == (None, None)
 
 
+def test_a_peer_record_says_its_newcomers_wait_to_enter_a_world():
+    entering = Entering("b", G, True, 2)
+    peer = parse_record("b", _record(entering=entering.to_record()), 7)
+    assert peer.view().entering == entering
+    for bad in ("x", {"generation": G.as_dict(), "warm": "yes", "nproc": 1},
+                {"generation": G.as_dict(), "warm": True, "nproc": 0}, {"warm": False, "nproc": 1}):
+        peer = parse_record("b", _record(entering=bad), 7)
+        assert peer is not None and peer.view().entering is None, bad
+
+
 def test_progress_carries_the_generation_and_the_reform_report():
     p = parse_progress({"event": "reformed", "step": 9, "world_size": 2, "rank": 0,
                         "local_world_size": 1, "generation": {"round": 2, "seq": 1, "epoch": "ep"},
@@ -232,6 +243,27 @@ def test_garbled_progress_generations_leave_the_world_unknown():
                             "local_world_size": 1, "generation": bad})
         assert p is not None and p.step == 3 and p.generation is None and p.world("a") is None
     assert parse_progress({"event": "step", "local_world_size": "1"}) is None
+
+
+def test_the_job_reader_reads_again_as_soon_as_the_generation_changes(client, keys):
+    clock = [100.0]
+    reader = JobReader(client, keys, "a", every_s=60.0, clock=lambda: clock[0])
+    reader.watch()
+    try:
+        assert reader.read().generation is None
+        record = GenerationRecord(G.next(), renumber([("a", 1)]), STORES["a"], ("b",))
+        client.put(keys.generation, record.to_json().encode())
+        clock[0] += 0.1   # far inside the period: only the watch makes this a read
+        deadline = time.monotonic() + 5
+        while reader.read().generation != record and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert reader.view.generation == record
+    finally:
+        reader.unwatch()
+    # Without the watch the period holds: the next change waits for it.
+    client.put(keys.generation, b"[1]")
+    time.sleep(0.3)
+    assert reader.read().generation == record
 
 
 def test_the_job_reader_reads_the_agreed_generation(client, keys):
