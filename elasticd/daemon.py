@@ -469,7 +469,8 @@ class Daemon:
         lost = action["lost"]
         out = self._agreement(lost, lambda: shrink_world(
             self.client, self.keys, self.node_id, lost, action["cause"], action["generation"],
-            self._world_views(action["peers"]), self._stores(), deadline_s=RDZV_EDIT_S))
+            self._world_views(action["peers"]), self._stores(), deadline_s=RDZV_EDIT_S,
+            spares=action["spares"]))
         self._shrink = out
         if out.status == "failed":
             return Outcome(f"no in-place generation: {out.reason}", _generation_fields(out),

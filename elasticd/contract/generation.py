@@ -108,7 +108,8 @@ class GenerationRecord:
     created: float = field(default=0.0, compare=False)  # wall clock, for people
     # A planned change (a join, a drain): the current world agrees the step it takes
     # effect after, so it releases no collective; a loss's record (False) takes effect at
-    # once. ``joined``: the members new in it, who enter with no state of their own.
+    # once. ``joined``: the members new in it, who enter with no state of their own (a
+    # join's, or the warm spares a loss's record takes in the lost nodes' place).
     planned: bool = False
     joined: tuple[str, ...] = ()
 
@@ -127,8 +128,8 @@ class GenerationRecord:
         _require(isinstance(self.planned, bool), "planned", self.planned, "true or false")
         _require(set(self.joined) <= set(nodes), "joined", list(self.joined),
                  "members of this generation")
-        _require(not self.joined or self.planned, "joined", list(self.joined),
-                 "none unless planned is true (a join is a planned change)")
+        _require(not self.joined or self.planned or self.lost, "joined", list(self.joined),
+                 "none unless planned is true (a join) or nodes are lost (spares replace them)")
 
     @property
     def world_size(self) -> int:
@@ -205,20 +206,24 @@ def renumber(nodes: Iterable[tuple[str, int]]) -> tuple[Member, ...]:
 
 
 def shrink(base: GenerationRecord, lost: Iterable[str], stores: Mapping[str, str],
-           cause: str = "", created: float = 0.0) -> GenerationRecord | None:
+           cause: str = "", created: float = 0.0,
+           spares: Iterable[tuple[str, int]] = ()) -> GenerationRecord | None:
     """The next generation of ``base`` without the ``lost`` nodes, or None if there is none.
 
     Survivors keep their order, so the lowest surviving rank becomes rank 0 (the old
     rank 0 stays rank 0 whenever it survives). The group forms through the store of
     the new rank 0's daemon (``stores``: node -> HOST:PORT); without one, or without
     survivors, there is no in-place generation and the caller takes the restart path.
+    ``spares`` (``(node, nproc)``, warm newcomers not in ``base``) follow the survivors,
+    joined in the same re-form: the world keeps its size (and its LR).
     """
     gone = set(lost) & set(base.nodes)
     survivors = [(m.node, m.nproc) for m in base.members if m.node not in gone]
     if not gone or not survivors or stores.get(survivors[0][0]) is None:
         return None
-    return GenerationRecord(base.id.next(), renumber(survivors), stores[survivors[0][0]],
-                            tuple(sorted(gone)), cause, created)
+    taken = [(n, p) for n, p in spares if base.member(n) is None]
+    return GenerationRecord(base.id.next(), renumber(survivors + taken), stores[survivors[0][0]],
+                            tuple(sorted(gone)), cause, created, joined=tuple(n for n, _ in taken))
 
 
 def grow(base: GenerationRecord, joiners: Iterable[tuple[str, int]], store: str | None = None,

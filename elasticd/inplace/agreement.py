@@ -54,8 +54,10 @@ class ShrinkOutcome:
 
 def shrink_world(client: EtcdClient, keys: JobKeys, node_id: str, lost: Iterable[str],
                  cause: str, workers: GenerationId, views: Iterable[WorldView],
-                 stores: Mapping[str, str], deadline_s: float = 1.0) -> ShrinkOutcome:
-    """Agree the generation after ``workers`` (our workers' generation) without ``lost``.
+                 stores: Mapping[str, str], deadline_s: float = 1.0,
+                 spares: Iterable[tuple[str, int]] = ()) -> ShrinkOutcome:
+    """Agree the generation after ``workers`` (our workers' generation) without ``lost``,
+    and with the warm ``spares`` (``(node, nproc)``) in their places.
 
     The base is the agreed record when it is of our workers' round and not older, else
     the world the nodes' records report (ours, the peers', the dead peers' last ones).
@@ -63,9 +65,10 @@ def shrink_world(client: EtcdClient, keys: JobKeys, node_id: str, lost: Iterable
     is adopted, anything else is the next base. ``deadline_s`` bounds the races (every
     call fails fast: an outage raises ``EtcdError`` for the caller's fallback).
     """
-    lost = tuple(sorted(set(lost)))
+    lost, spares = tuple(sorted(set(lost))), tuple(spares)
     out = _agree(client, keys, workers, views, deadline_s,
-                 make=lambda base: shrink(base, lost, stores, cause, created=time.time()),
+                 make=lambda base: shrink(base, lost, stores, cause, created=time.time(),
+                                          spares=spares),
                  settled=lambda base: not set(lost) & set(base.nodes))
     if isinstance(out, str):
         return ShrinkOutcome(lost, "failed", reason=out)

@@ -191,9 +191,12 @@ def plan_shrink(snap: Snapshot, mem: Memory, deaths: list[Death]) -> tuple[Memor
     # waited for the drainer, fell back to a restart that waited 30 s for its agent).
     ip = replace(ip, lost=tuple(sorted({*ip.lost, *(d.peer.node_id for d in deaths),
                                         *leaving_peers(snap)})), agreed=False)
+    # Warm spares (newcomers of a full world) take the lost nodes' places in this re-form.
+    spares = tuple((e.node, e.nproc) for e in snap.newcomers(ip.base))[:len(ip.lost)]
+    with_spares = f" with the spare(s) {', '.join(n for n, _ in spares)}" if spares else ""
     return mem.but(in_place=ip), \
         [act(Kind.SHRINK, lost=ip.lost, cause=ip.fault, peers=tuple(d.peer for d in deaths),
-             generation=ip.base)], " and re-forming the world in place"
+             generation=ip.base, spares=spares)], f" and re-forming the world in place{with_spares}"
 
 
 def leaving_peers(snap: Snapshot) -> tuple[str, ...]:

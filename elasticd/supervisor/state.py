@@ -176,6 +176,15 @@ class Snapshot:
     generation_record: GenerationRecord | None = None  # etcd: the agreed generation
     worker_error: str | None = None        # agent log: the workers' newest exception line
 
+    def newcomers(self, live: GenerationId, warm: bool = True) -> list[Entering]:
+        """The live peers whose newcomers are (``warm``) or are not yet warm for a world of
+        ``live``'s round (they accept any generation of it that names them), in node order:
+        the others a join proposal takes along, the spares a loss's generation takes in."""
+        return sorted((p.entering for p in self.peers.values()
+                       if p.entering is not None and p.entering.warm == warm
+                       and p.entering.live.same_round(live) and p.state not in GONE_STATES),
+                      key=lambda e: e.node)
+
 
 @dataclass(frozen=True)
 class Death:

@@ -127,6 +127,16 @@ def test_grow_appends_the_joiners_so_every_member_keeps_its_rank():
         grow(base, [("a", 2)])
 
 
+def test_a_loss_record_takes_warm_spares_after_the_survivors():
+    base = GenerationRecord(G, renumber([("a", 1), ("b", 2), ("c", 1)]))
+    stores = {"a": "h:1", "b": "h:2"}
+    record = shrink(base, ["b"], stores, "peer-crashed", spares=[("s", 2), ("a", 1)])
+    assert [(m.node, m.first_rank, m.nproc) for m in record.members] == [("a", 0, 1), ("c", 1, 1),
+                                                                         ("s", 2, 2)]
+    assert (record.lost, record.joined, record.planned, record.world_size) == (("b",), ("s",), False, 4)
+    assert GenerationRecord.from_json(record.to_json()) == record
+
+
 def test_drain_is_a_planned_shrink_and_a_loss_record_is_not_planned():
     drained = drain(ABC, ["a"], STORES)
     assert drained is not None and drained.planned and drained.cause == "drain"

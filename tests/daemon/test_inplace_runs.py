@@ -281,6 +281,40 @@ def test_a_join_while_a_loss_is_re_formed_enters_the_shrunk_world(job, tmp_path)
     assert [w for _, (w, _) in sorted(history.items())][-1] == 3
 
 
+@pytest.mark.parametrize("rank0", [False, True], ids=["node", "rank0-node"])
+def test_a_crash_is_replaced_by_a_warm_spare_in_the_same_re_form(job, tmp_path, rank0):
+    """Issue 26: a fourth node beside a full world of three (max_nodes 3) waits warm as a
+    spare, at no rendezvous cost; a member crashes (the rank-0 node too) and the loss's
+    generation takes the spare in its place: the world keeps its size and its LR, nobody
+    restarts, the spare reads no checkpoint. Checked against the replay."""
+    add, nodes = job
+    final = 600
+    three = _three(lambda name, final, script, min_nodes: add(name, final, script, min_nodes=2),
+                   final)
+    since, own = time.time(), tmp_path / "spare-disk"
+    spare = add("d", final, min_nodes=2, ckpt_dir=own)
+    wait_for(lambda: any("wait as a spare" in e["event"] for e in spare.daemon_events()), 90,
+             "the spare warm", nodes)
+    victim = by_rank(three, rank0)
+    survivors = [n for n in three if n is not victim]
+    before = [w for n in survivors for w in agent_events(n, "reformed")]
+    victim.kill()
+    wait_for(lambda: stepping_at([*survivors, spare], 3, since), 60, "world 3 with the spare", nodes)
+    completed([*survivors, spare])
+    for node in survivors:
+        reformed = [e for e in agent_events(node, "reformed") if e not in before]
+        assert [(e["lost"], e["joined"], e["world_size"]) for e in reformed] == [
+            ([victim.name], ["d"], 3)], node.log_tail()
+        assert not [r for r in progress_records(node) if r["event"] == "resumed" and r["time"] > since]
+    (entered,) = [e for e in agent_events(spare, "reformed") if e.get("newcomer")]
+    assert entered["world_size"] == 3
+    assert not [r for r in progress_records(spare) if r["event"] == "resumed"]
+    assert {p.name for p in own.iterdir()} <= {DIR_ID_FILE}
+    assert any("as a spare in place of" in e["event"] for e in spare.daemon_events())
+    history = _matches_the_replay(survivors[0], tmp_path / "ckpt", final)
+    assert {w for w, _ in history.values()} == {3}   # the world never shrank
+
+
 def test_a_node_that_rejoins_after_an_in_place_shrink_grows_the_world_back(job, tmp_path):
     add, nodes = job
     final = 500  # long enough for the newcomer's agent to start and join (~10 s here)

@@ -20,7 +20,8 @@ from elasticd.contract.progress import Progress
 from elasticd.contract.settings import IN_PLACE
 from elasticd.inplace.agreement import ShrinkOutcome
 from elasticd.supervisor import Memory, Phase, Policy, Snapshot, decide
-from elasticd.supervisor.state import PeerView
+from elasticd.supervisor.reform import plan_shrink
+from elasticd.supervisor.state import Death, PeerView
 
 T = 1000.0
 AGENT = 4242
@@ -71,7 +72,6 @@ def test_a_new_node_of_a_live_in_place_world_starts_its_agent_to_enter_it():
     ("switched off (or not keyed rounds)", replace(POLICY, join_in_place=False), {}),
     ("no live world published", POLICY, {"peers": {"b": replace(B, world=None)}}),
     ("a world the records do not cover", POLICY, {"peers": {"b": B}}),
-    ("the world is full", replace(POLICY, max_nodes=2), {}),
     ("this node is still in that world", POLICY, {"node_id": "b"}),
     ("a newer round formed", POLICY, {"round": 4}),
 ])
@@ -144,10 +144,10 @@ def newcomer(node: str, warm: bool, live: GenerationId = G) -> PeerView:
 
 
 def test_a_warm_newcomer_takes_the_other_warm_newcomers_into_one_generation():
-    peers = {**PEERS, "d": newcomer("d", True), "e": newcomer("e", True, G.next())}
+    peers = {**PEERS, "d": newcomer("d", True), "e": newcomer("e", True, GenerationId(2, 0, "ep"))}
     out = decide(warm(now=T + 3, peers=peers), started(peers=peers), POLICY)
     (grow_,) = [a for a in out.actions if a.kind is Kind.GROW_IN_PLACE]
-    assert grow_["others"] == (("d", 1),)   # not e: it waits for another world
+    assert grow_["others"] == (("d", 1),)   # not e: it waits for a world of another round
     assert "with this node and d" in out.reason
 
 
@@ -228,3 +228,57 @@ def test_newcomers_that_exit_before_their_entry_give_the_join_up():
     out = decide(warm(now=T + 4, workers=frozenset({13}), progress_event=None), m, POLICY)
     assert out.memory.life.joining is None and out.memory.life.join_fell_back
     assert Kind.KILL_AGENT not in out.kinds()
+
+
+# -- warm spares --------------------------------------------------------------------------
+
+FULL = replace(POLICY, max_nodes=2)
+
+
+def test_a_node_beyond_max_nodes_waits_warm_as_a_spare_for_as_long_as_it_takes():
+    m = started(FULL)   # the agent enters the full world all the same
+    out = decide(warm(now=T + 3), m, FULL)
+    assert out.kinds() == [Kind.PUBLISH] and "wait as a spare for a lost node's place" in out.reason
+    later = decide(warm(now=T + 3 + 10 * FULL.join_warm_timeout_s), out.memory, FULL)
+    assert later.actions == () and later.memory.life.joining == G   # no bound while warm
+
+
+def test_a_spare_proposes_a_join_once_the_world_has_room():
+    m = decide(warm(now=T + 3), started(FULL), FULL).memory
+    drained = GenerationRecord(G.next(), renumber([("b", 1)]), "127.0.0.2:29601", ("c",))
+    b_alone = replace(B, world=WorldView("b", G.next(), 0, 1, 1))
+    out = decide(warm(now=T + 9, generation_record=drained, peers={"b": b_alone}), m, FULL)
+    (grow_,) = [a for a in out.actions if a.kind is Kind.GROW_IN_PLACE]
+    assert grow_["live"] == G.next() and out.memory.life.joining == G.next()
+
+
+def test_a_spare_taken_by_a_losss_generation_enters_it_and_says_whom_it_replaced():
+    m = decide(warm(now=T + 3), started(FULL), FULL).memory
+    taken = GenerationRecord(G.next(), renumber([("b", 1), ("a", 1)]), "127.0.0.2:29601", ("c",),
+                             "peer-crashed", joined=("a",))
+    out = decide(warm(now=T + 20, generation_record=taken), m, FULL)
+    assert Kind.GROW_IN_PLACE in out.kinds()   # its executor adopts the record: agreed already
+    assert "generation 3.1 names this node already: adopting it" in out.reason
+    out = decide(warm(now=T + 21, generation_record=taken, progress_event="reformed", step=80,
+                      generation=taken.id, world=WorldView("a", taken.id, 1, 1, 2)), out.memory, FULL)
+    (journal,) = [a for a in out.actions if a.kind is Kind.JOURNAL]
+    assert journal["event"] == "joined-in-place" and journal["fields"]["replaced"] == ["c"]
+    (metric,) = [a for a in out.actions if a.kind is Kind.OBSERVE and a["metric"] == "join_seconds"]
+    assert metric["label"] == "spare"
+    assert "as a spare in place of c" in out.reason
+
+
+def test_a_spare_whose_round_the_job_left_falls_back_to_an_ordinary_round():
+    m = decide(warm(now=T + 3), started(FULL), FULL).memory
+    _fell_back(decide(warm(now=T + 30, round=4), m, FULL))
+
+
+def test_a_loss_takes_the_warm_spares_into_its_generation():
+    mem = Memory.of(Phase.RUNNING).but(step_at=T - 1)
+    spare = newcomer("s", True)
+    snap_ = snap(node_id="b", peers={"c": C, "s": spare, "t": newcomer("t", True)},
+                 generation=G, agent_pid=AGENT)
+    _, actions, said = plan_shrink(snap_, mem, [Death(replace(C), "crashed")])
+    (shrink_,) = actions
+    assert shrink_["spares"] == (("s", 1),)   # one lost, one spare: the world keeps its size
+    assert "with the spare(s) s" in said

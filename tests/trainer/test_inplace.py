@@ -498,6 +498,35 @@ def test_two_newcomers_join_as_one_generation(world_of, tmp_path):
         assert event["world_size"] == 4
 
 
+@pytest.mark.parametrize("lost", ["n1", "n0"])
+def test_a_warm_spare_takes_a_lost_workers_place_in_the_same_re_form(world_of, tmp_path, lost):
+    """Warm spares: a newcomer waits warm beside a world of 3 that is full; a worker
+    (rank 0's too) is killed and the loss's record names the spare among the joined: the
+    survivors re-form with it at once (no step to agree: their collective failed), the
+    holder of the newest state sends it everything, and the world keeps its size and LR.
+    It read no checkpoint; the final model matches the replay."""
+    final = NEWCOMER_FINAL
+    world = world_of(3, f"--max-steps={final}", *NEWCOMER_ARGS)
+    world.wait_step(10)
+    empty = tmp_path / "spare-disk"
+    spare = world.newcomer(3, 4, f"--max-steps={final}", *NEWCOMER_ARGS, ckpt=empty)
+    proctree.kill_tree(world.worker(lost).proc.pid)
+    stores = {m.node: _store_of(world) for m in world.base.members}
+    record = shrink(world.base, [lost], stores, "peer-lost", time.time(), spares=[("n3", 1)])
+    world.publish(record)
+    stayers = [n for n in ("n0", "n1", "n2") if n != lost]
+    assert [world.wait(n) for n in (*stayers, "n3")] == [0, 0, 0], world.tails()
+    history = _final_matches_the_replay(world, stayers[0], final)
+    assert {w for w, _ in history.values()} == {3}   # the spare kept the world's size
+    for node in stayers:
+        (event,) = _reformed(world.worker(node))
+        assert (event["world_size"], event["lost"], event["joined"]) == (3, [lost], ["n3"])
+    (entered,) = _reformed(spare)
+    assert entered["newcomer"] and (entered["rank"], entered["world_size"]) == (2, 3)
+    assert not [r for r in spare.progress() if r["event"] == "resumed"]
+    assert not empty.exists() or not any(empty.iterdir())
+
+
 @pytest.mark.parametrize("leaver", ["n1", "n0"])
 def test_a_drain_in_place_stops_the_leaver_after_the_agreed_step(world_of, leaver):
     """Drain in place (the rank-0 node too): the leaver's worker stops after the step the
