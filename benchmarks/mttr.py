@@ -125,7 +125,8 @@ SYSTEMS = {"a": "torchrun c10d, defaults", "b": "torchrun c10d, tuned",
 RECOVERY_MODE = {"c": "restart", "d": "in-place"}
 FAULTS = {"crash": "node SIGKILL", "rank0-crash": "rank-0 node SIGKILL",
           "silent": "node SIGSTOP (silent)", "drain": "graceful drain (SIGTERM)",
-          "join": "node joins (after a crash)"}
+          "join": "node joins (after a crash)",
+          "spare": "node SIGKILL beside a warm spare (a fourth node, max_nodes 3)"}
 JOIN_AFTER_S = 2.0   # how long the world of 2 trains before the new node starts
 SETTLE_S = 6.0       # how long the new world is watched after its first step (does it hold?)
 
@@ -374,8 +375,8 @@ def finish_run(result: dict[str, Any], cluster: Any, root: Path, keep: bool) -> 
 
 def measure(bench: Bench, fault: str, phase: int, caps: dict[str, float],
             ct_offset: float) -> dict[str, Any]:
-    if fault == "join" and bench.system not in RECOVERY_MODE:
-        return {"outcome": "error", "error": "join: elasticd systems only"}
+    if fault in ("join", "spare") and bench.system not in RECOVERY_MODE:
+        return {"outcome": "error", "error": f"{fault}: elasticd systems only"}
     deadline = time.monotonic() + caps["formation"]
     formed = wait_step(bench, 0, deadline)
     cpu_before = cpu_snapshot()
@@ -385,6 +386,8 @@ def measure(bench: Bench, fault: str, phase: int, caps: dict[str, float],
         return {"outcome": "setup timeout", "note": f"no world of 3 in time; exited: {dead}",
                 "log_tail": {n.name: n.log_tail(1500) for n in bench.nodes if not n.alive()}}
     cpu = cpu_shares(cpu_before, cpu_snapshot())
+    if fault == "spare":
+        return measure_spare(bench, caps["default"], ct_offset) | {"cpu_cores_steady": cpu}
     victim = choose_victim(bench, fault)
     survivors = [n for n in bench.nodes if n is not victim]
     old_workers = [p for n in survivors for p in n.workers()]
@@ -436,6 +439,56 @@ def watch_settle(survivors: list[Node], t_fault: float) -> dict[str, Any]:
     return out
 
 
+SPARE_WAIT_S = 90.0   # how long the spare may take to be ready (warm, or waiting in the round)
+SPARE_SETTLE_S = 3.0  # then this long (restart mode: its agent reaches the rendezvous)
+
+
+def measure_spare(bench: Bench, cap: float, ct_offset: float) -> dict[str, Any]:
+    """A fourth node starts beside the full world of 3 and is given time to be ready (in
+    place: its workers warm, its daemon waiting as a spare; restart mode: its agent
+    waiting for the next round); then a member that is not rank 0 is killed. Recovery:
+    the kill to the first step of a world of 3 of another generation."""
+    members = list(bench.nodes)
+    spare = bench.add_daemon(f"n{MAX_NODES}")
+    ready = time.monotonic() + SPARE_WAIT_S
+    while time.monotonic() < ready and not _spare_ready(bench, spare):
+        time.sleep(POLL_S)
+    time.sleep(SPARE_SETTLE_S)
+    victim = choose_victim(Bench(bench.system, bench.cluster, members, bench.script, bench.job), "crash")
+    survivors = [n for n in bench.nodes if n is not victim]
+    before = victim.progress() or {}
+    old_gen, pre = before.get("generation"), max((n.progress() or {}).get("step", 0) for n in members)
+    t_fault = inject(victim, "crash")
+    w = Watch(t_fault, pre)
+    deadline = time.monotonic() + cap
+    while w.first is None and time.monotonic() < deadline:
+        for node in survivors:
+            rec = node.progress()
+            if not rec or rec.get("event") not in STEP_EVENTS or rec.get("world_size") != MAX_NODES:
+                continue
+            if rec.get("generation") == old_gen:
+                w.old_step = max(w.old_step, rec["step"])
+            elif rec.get("time", 0) > t_fault:
+                w.first, w.outcome = dict(rec, node=node.name), "recovered"
+                break
+        time.sleep(POLL_S)
+    out = summarize_run(bench, victim, w, ct_offset) | {"victim": victim.name, "spare": spare.name,
+                                                      "spare_ready": _spare_ready(bench, spare)}
+    detected = out["milestones"].get("peer_lost")
+    if w.first is not None and detected is not None:
+        out["after_detection_s"] = round(out["recovery_s"] - detected, 3)
+    return out
+
+
+def _spare_ready(bench: Bench, spare: Node) -> bool:
+    """In place: the spare's daemon says its workers wait warm as a spare; restart mode:
+    its agent runs (it waits in the rendezvous for the next round)."""
+    said = [e.get("event", "") for e in spare.daemon_events()]
+    if RECOVERY_MODE[bench.system] == "in-place":
+        return any("wait as a spare" in e for e in said)
+    return any(e.startswith("starting the torchrun agent") for e in said)
+
+
 def measure_join(bench: Bench, survivors: list[Node], cap: float, ct_offset: float) -> dict[str, Any]:
     """The world of 2 trains ``JOIN_AFTER_S``; a new node starts; wait for the world of 3."""
     last2: dict | None = None   # the newest completed step of the world of 2
@@ -475,7 +528,9 @@ def measure_join(bench: Bench, survivors: list[Node], cap: float, ct_offset: flo
     if starts := [t for t in starts if t > t_join]:
         marks["new_worker_start"] = max(starts) - t_join
     resumed = last_event(members, "resumed", t_join, t_end)
-    cont = resumed[1].get("step") if resumed else None
+    # In place the step the world continues from is the members' re-form's.
+    mark = resumed or last_event(survivors, "reformed", t_join, t_end)
+    cont = mark[1].get("step") if mark else None
     # The progress file is rewritten at an interval, so its last step of the world of 2 can
     # be older than the step the survivors committed at the stop (it read 1 lost as -1).
     stopped = last_event(survivors, "stopped", t_join, t_end)
@@ -718,6 +773,8 @@ def summarize_cells(runs: list[dict]) -> dict[str, dict[str, dict]]:
             cell["reform_s"] = _stats([r["reform"]["duration_s_max"] for r in ok
                                        if (r.get("reform") or {}).get("duration_s_max") is not None])
             cell["join_s"] = _stats([r["join_s"] for r in ok if "join_s" in r])
+            cell["after_detection_s"] = _stats([r["after_detection_s"] for r in ok
+                                                if "after_detection_s" in r])
             cell["pause_s"] = _stats([r["pause_s"] for r in ok if "pause_s" in r])
             cell["pause_all_s"] = [r["pause_s"] for r in ok if "pause_s" in r]
             settled = [r.get("settle") or (r.get("shrink") or {}).get("settle") for r in ok]
@@ -830,6 +887,8 @@ TARGETS = (
                        "the link's bandwidth: a few kB here)"),
     ("join", "c", 3.0, "restart path: join after a restart-mode shrink (the pause) <= 3 s"),
 )
+# A warm spare replaces a crashed node within the crash's detection + this (issue 26).
+SPARE_AFTER_DETECTION_S = 0.2
 # A newcomer contributes (its first step) this soon after its daemon starts (issue 26).
 JOINER_TARGET_S = 3.0
 # A drain in place (issue 26): the pause it costs the others, median.
@@ -872,6 +931,12 @@ def _targets(report: dict) -> list[str]:
     if join and join.get("join_s"):
         lines.append(_median_line(f"in place: a newcomer steps <= {JOINER_TARGET_S} s after its "
                                   "daemon starts", join["join_s"], JOINER_TARGET_S))
+    spare = cells.get("spare", {}).get("d")
+    if spare and spare.get("after_detection_s"):
+        lines.append(_median_line(f"in place: a warm spare replaces a crashed node <= the detection + "
+                                  f"{SPARE_AFTER_DETECTION_S} s (kill to the first step of the new "
+                                  "world of 3, less the survivors' detection)",
+                                  spare["after_detection_s"], SPARE_AFTER_DETECTION_S))
     for row in [r for r in cells if r.endswith("@heavy")]:
         light, heavy = cells.get(row.split("@")[0], {}).get("d"), cells[row].get("d")
         if light and heavy and light["recovery_s"] and heavy["recovery_s"]:

@@ -281,7 +281,8 @@ def test_a_join_while_a_loss_is_re_formed_enters_the_shrunk_world(job, tmp_path)
     assert [w for _, (w, _) in sorted(history.items())][-1] == 3
 
 
-@pytest.mark.parametrize("rank0", [False, True], ids=["node", "rank0-node"])
+@pytest.mark.parametrize("rank0", [pytest.param(False, id="node", marks=pytest.mark.compat),
+                                   pytest.param(True, id="rank0-node")])
 def test_a_crash_is_replaced_by_a_warm_spare_in_the_same_re_form(job, tmp_path, rank0):
     """Issue 26: a fourth node beside a full world of three (max_nodes 3) waits warm as a
     spare, at no rendezvous cost; a member crashes (the rank-0 node too) and the loss's
