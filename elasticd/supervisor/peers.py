@@ -139,7 +139,7 @@ def eviction_outcome(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memor
     else:
         # A peer whose agent was running was surely in our round.
         in_round = any(d.peer.state == "running" and d.peer.agent for d in first)
-    if not in_round or not snap.workers or mem.phase is not Phase.RUNNING:
+    if not in_round or not snap.workers or mem.phase is not Phase.RUNNING or _newcomers(mem):
         return mem, [], ""
     ip = mem.reform.in_place
     handled = set(ip.lost if ip is not None else ()) | mem.reform.reformed_without
@@ -199,11 +199,21 @@ def dead_peers(snap: Snapshot, mem: Memory, policy: Policy):
                               "without; evicting them from the rendezvous")
     if not first:
         return mem, actions, f"retrying the eviction of peer(s) {names}"
-    tail = " and restarting the local workers" if mem.phase is Phase.RUNNING else ""
-    if policy.recovery_mode == IN_PLACE and mem.phase is Phase.RUNNING and snap.workers:
+    ours = mem.phase is Phase.RUNNING and not _newcomers(mem)
+    tail = " and restarting the local workers" if ours else ""
+    if policy.recovery_mode == IN_PLACE and ours and snap.workers:
         mem, more, tail = plan_shrink(snap, mem, [tried[n] for n in first])
         actions += more
     return mem, actions, f"peer(s) {names} lost; evicting them from the rendezvous{tail}"
+
+
+def _newcomers(mem: Memory) -> bool:
+    """Our workers are newcomers (a join in place, a spare) and in no world yet: a peer's
+    loss is the members' to re-form (a spare is taken in by their record), never a reason
+    to restart or kill ours. Seen: a spare's daemon, a voter on a rank-0 node's crash,
+    planned the old world's kill for its warm workers and killed them 2 s after they had
+    entered the loss's generation in the lost node's place."""
+    return mem.life.joining is not None
 
 
 def _trained_in_round(snap: Snapshot, mem: Memory) -> bool:

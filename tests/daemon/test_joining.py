@@ -21,7 +21,7 @@ from elasticd.contract.settings import IN_PLACE
 from elasticd.inplace.agreement import ShrinkOutcome
 from elasticd.supervisor import Memory, Phase, Policy, Snapshot, decide
 from elasticd.supervisor.reform import plan_shrink
-from elasticd.supervisor.state import Death, PeerView
+from elasticd.supervisor.state import Death, Eviction, PeerView
 
 T = 1000.0
 AGENT = 4242
@@ -282,3 +282,16 @@ def test_a_loss_takes_the_warm_spares_into_its_generation():
     (shrink_,) = actions
     assert shrink_["spares"] == (("s", 1),)   # one lost, one spare: the world keeps its size
     assert "with the spare(s) s" in said
+
+
+def test_a_peers_loss_kills_or_restarts_no_newcomer_worker():
+    """The spare's daemon votes on a member's crash like any peer, but its workers are in
+    no world: no plan to re-form them, no kill of 'the old world' (seen: it killed its
+    workers 2 s after they had entered the loss's generation as the spare)."""
+    m = decide(warm(now=T + 3), started(FULL), FULL).memory
+    m = m.but(dead={"c": Death(C, "crashed")}, evict_at=T)
+    out = decide(warm(now=T + 4), m, FULL)
+    assert Kind.EVICT in out.kinds() and Kind.SHRINK not in out.kinds()
+    assert "restarting the local workers" not in out.reason
+    evicted = decide(warm(now=T + 4.1, eviction=Eviction(("c",), True, True)), out.memory, FULL)
+    assert evicted.memory.peer.kill_at is None and Kind.KILL_WORKERS not in evicted.kinds()
