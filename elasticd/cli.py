@@ -41,14 +41,20 @@ def chaos(args: tuple[str, ...]) -> None:
 @click.option("--log-level", default="info", show_default=True)
 def run(config_path: str, log_level: str) -> None:
     """Run the node daemon until the job completes or the node is drained."""
-    from elasticd.daemon import Daemon
     from elasticd.logs import configure_logging
+    from elasticd.prestart import prepare
 
     configure_logging(log_level)
     config = _load(config_path)
     _refuse_a_bad_checkpoint_dir(config)
+    # The warm-start server first: its imports (torch among them) then run beside the
+    # daemon's, not after them; a newcomer's workers wait for it (elasticd.prestart).
+    early = prepare(config)
+    early.start_warm(config)
+    from elasticd.daemon import Daemon
+
     try:
-        code = Daemon(config, config_path=config_path).run()
+        code = Daemon(config, config_path=config_path, early=early).run()
     except ElasticdError as exc:
         raise click.ClickException(str(exc)) from None
     sys.exit(code)

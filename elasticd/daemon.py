@@ -33,12 +33,9 @@ import os
 import signal
 import socket
 import statistics
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import psutil
@@ -48,12 +45,10 @@ from elasticd import __version__, proctree
 from elasticd.actions import Action, Kind, Outcome
 from elasticd.agent import (
     AgentProcess,
-    RunFiles,
     etcd_auth,
     prune_log_dirs,
     torch_restart_count,
     torchrun_command,
-    warm_capable,
     worker_env,
 )
 from elasticd.config import RELOADABLE, Config, load_config
@@ -70,6 +65,7 @@ from elasticd.membership import Membership
 from elasticd.metrics import Metrics
 from elasticd.observer import CheckpointScanner, JobReader, reap_orphans
 from elasticd.preemption import Notice, PreemptionWatcher
+from elasticd.prestart import Prestart, prepare
 from elasticd.probe import Prober, ProbeServer
 from elasticd.rendezvous import admin
 from elasticd.rendezvous.entering import write_entry
@@ -85,7 +81,6 @@ from elasticd.supervisor import (
     Snapshot,
     decide,
 )
-from elasticd.warmstart import WarmHost
 from elasticd.worker_errors import LastError
 
 log = structlog.get_logger("elasticd.daemon")
@@ -102,20 +97,20 @@ FAILED_EXIT_CODE = 3
 
 class Daemon:
     def __init__(self, config: Config, *, config_path: str | None = None, clock=time.monotonic,
-                 notifier: SystemdNotifier | None = None) -> None:
+                 notifier: SystemdNotifier | None = None, early: Prestart | None = None) -> None:
+        """``early``: the run files and warm host ``elasticd run`` made (and started) before
+        it imported this module (``elasticd.prestart``); made here when None."""
         check_action_table()
         self.config = config
         self.config_path = config_path
         self.clock = clock
         self.keys = JobKeys(config.job.id, config.etcd.key_prefix)
         self.node_id = config.node.id
+        self.early = early or prepare(config)
         # A temp run dir is kept at the end (its agent.log holds the workers' output, the
         # cause of a failure among it) and said so in the last line, never left silently.
-        self._temp_run_dir = not config.node.run_dir
-        run_dir = config.node.run_dir or tempfile.mkdtemp(prefix=f"elasticd-{self.node_id}-")
-        log_dir = Path(config.node.log_dir) if config.node.log_dir else None
-        self.files = RunFiles(Path(run_dir), log_dir)
-        self.files.run_dir.mkdir(parents=True, exist_ok=True)
+        self._temp_run_dir = self.early.temp_run_dir
+        self.files = self.early.files
         self.worker_errors = LastError(self.files.agent_log)
         self.policy = policy_from(config)
         self.metrics = Metrics()
@@ -136,9 +131,7 @@ class Daemon:
         self._drained: ShrinkOutcome | None = None
         self._grown: ShrinkOutcome | None = None
         self.store_host = StoreHost(config.node.addr, config.recovery.store_port)
-        self.warm_host = WarmHost(config.job.python or sys.executable, self.files.warm_socket,
-                                  self.files.warm_log, config.job.warm_imports) \
-            if warm_capable(config) else None
+        self.warm_host = self.early.warm_host
         self._status_at = float("-inf")
         self._checkpoint_seen: tuple[int | None, float] = (None, clock())
         self._stop = threading.Event()
@@ -166,9 +159,7 @@ class Daemon:
         self.client = EtcdClient(self.config.etcd.settings(retry_s=30.0))
         self.probe_server = ProbeServer(self.config.node.addr).start()
         self.store_host.start()
-        if self.warm_host is not None:
-            # From this (the loop's) thread: the parent-death signal is tied to it.
-            self.warm_host.start(worker_env(self.config, self.files))
+        self.early.start_warm(self.config)   # (elasticd run started it before its imports)
         self.membership = Membership(self.client, self.keys, self.node_id,
                                      self.config.node.lease_ttl_s, self._initial_record(),
                                      clock=self.clock)

@@ -386,9 +386,13 @@ def serve(socket_path: str, imports: Sequence[str] = DEFAULT_IMPORTS) -> None:
     # environment sets neither gets; every worker then sets the count of its own (run_worker).
     for var in _THREAD_VARS:
         os.environ.pop(var, None)
+    started = time.monotonic()
     failed = preload(imports)
     if failed:
         print(json.dumps({"event": "warm imports failed", "modules": failed}), file=sys.stderr)
+    # When warm starts begin (a newcomer's workers wait for this): the log says it.
+    print(json.dumps({"event": "warm imports done", "s": round(time.monotonic() - started, 3),
+                      "time": time.time()}), file=sys.stderr, flush=True)
     torch = sys.modules.get("torch")
     server.default_threads = torch.get_num_threads() if torch is not None else None
     server.serve_forever()

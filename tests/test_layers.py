@@ -154,3 +154,32 @@ def test_the_policy_imports_nothing_that_does_io_or_reads_a_clock():
             found += [(path.name, n) for n in names
                       if not any(n == ok or n.startswith(ok + ".") for ok in POLICY_MAY_IMPORT)]
     assert found == []
+
+
+def test_what_elasticd_run_does_before_the_daemon_import_is_torch_free():
+    # elasticd.prestart starts the warm-start server before the daemon imports torch, so
+    # the server's imports run beside the daemon's (a newcomer's workers wait for them).
+    code = "import sys, elasticd.cli, elasticd.logs, elasticd.prestart, elasticd.ops.doctor; " \
+           "print([m for m in sys.modules if m.split('.')[0] == 'torch'])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=REPO, check=True)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_elasticd_run_starts_the_warm_start_server_before_torch_is_imported(tmp_path):
+    config, run, ckpt = tmp_path / "node.toml", tmp_path / "run", tmp_path / "ckpt"
+    config.write_text('[job]\nid = "j"\nentrypoint = ["trainer/examples/mlp.py"]\n'
+                      '[etcd]\nendpoints = ["127.0.0.1:9"]\n'
+                      f'[node]\nid = "n0"\nrun_dir = "{run}"\n'
+                      f'[checkpoint]\ndir = "{ckpt}"\n')
+    code = ("import sys, elasticd.warmstart as w\n"
+            "def start(self, env):\n"
+            "    print('warm start; torch imported:', 'torch' in sys.modules, self.socket_path)\n"
+            "    sys.exit(0)\n"
+            "w.WarmHost.start = start\n"
+            "from elasticd.cli import main\n"
+            f"main(['run', '--config', {str(config)!r}])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+    expected = f"warm start; torch imported: False {run / 'warm.sock'}"
+    assert done.stdout.strip() == expected, done.stdout + done.stderr

@@ -237,3 +237,18 @@ def test_a_warm_worker_computes_bit_for_bit_as_a_cold_one_with_its_environment(s
                           capture_output=True, text=True, timeout=120)
     assert cold.returncode == warm.returncode == 0, (cold.stderr, warm.stderr)
     assert json.loads(warm.stdout) == json.loads(cold.stdout)
+
+
+def test_the_server_logs_when_its_imports_are_done(tmp_path):
+    # A newcomer's workers wait for the server's imports; its log says when they ended.
+    proc = subprocess.Popen([sys.executable, "-m", "elasticd.warmstart", "--serve",
+                             str(tmp_path / "warm.sock"), "json", "no.such.module"], cwd=REPO,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)), stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        failed, done = json.loads(proc.stderr.readline()), json.loads(proc.stderr.readline())
+    finally:
+        proc.kill()
+        proc.wait()
+    assert failed == {"event": "warm imports failed", "modules": ["no.such.module"]}
+    assert done["event"] == "warm imports done" and done["s"] >= 0 and done["time"] > 0

@@ -1,0 +1,51 @@
+"""What a node does before its daemon imports torch: the run directory and the warm-start
+server.
+
+``elasticd.daemon`` imports torch (the rendezvous state's classes): 3.7 s here on an idle
+machine, about 5 s on a node whose cores the job keeps busy. The warm-start server
+(``elasticd.warmstart``) imports torch, dynamo and the trainer again (4.4 s idle), and a
+newcomer's workers can start only once it has. Started from ``_connect``, after the
+daemon's own imports, the server's were the longest part of a join: measured, 15.0 s from
+the newcomer's daemon start to its first step, the server ready 9.5 s after it was
+started. Started here, first thing, its imports run beside the daemon's instead of after
+them. This module imports nothing that imports torch (``tests/test_layers.py``).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from elasticd.agent import RunFiles, warm_capable, worker_env
+from elasticd.config import Config
+from elasticd.warmstart import WarmHost
+
+
+@dataclass
+class Prestart:
+    """The run files and the warm host (None: warm starts off) a daemon is built with."""
+
+    files: RunFiles
+    temp_run_dir: bool          # made up here (no ``[node] run_dir``): kept and said so at the end
+    warm_host: WarmHost | None
+
+    def start_warm(self, config: Config) -> None:
+        """Start the warm-start server unless it runs. From the thread that runs the
+        daemon's loop: its parent-death signal is tied to the thread that started it."""
+        if self.warm_host is not None and self.warm_host.proc is None:
+            self.warm_host.start(worker_env(config, self.files))
+
+
+def prepare(config: Config) -> Prestart:
+    """The node's run directory (made when ``[node] run_dir`` is unset) and its warm host,
+    not yet started."""
+    temp = not config.node.run_dir
+    run_dir = config.node.run_dir or tempfile.mkdtemp(prefix=f"elasticd-{config.node.id}-")
+    log_dir = Path(config.node.log_dir) if config.node.log_dir else None
+    files = RunFiles(Path(run_dir), log_dir)
+    files.run_dir.mkdir(parents=True, exist_ok=True)
+    warm = WarmHost(config.job.python or sys.executable, files.warm_socket, files.warm_log,
+                    config.job.warm_imports) if warm_capable(config) else None
+    return Prestart(files, temp, warm)
