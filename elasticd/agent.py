@@ -30,6 +30,7 @@ from elasticd import proctree
 from elasticd.config import Config
 from elasticd.contract import settings as worker_contract
 from elasticd.contract.settings import ETCD_AUTH_STDIN_VAR, SECRET_VARS, WorkerSettings
+from elasticd.warmstart import WarmChild, WarmHost, spawn
 
 log = structlog.get_logger(__name__)
 
@@ -245,7 +246,10 @@ class AgentProcess:
 
     def __init__(self, command: list[str], env: dict[str, str], log_path: Path,
                  clock: object = None, *, etcd_auth: EtcdAuth | None = None,
-                 log_max_bytes: int = AGENT_LOG_MAX_BYTES, log_keep: int = AGENT_LOG_KEEP) -> None:
+                 log_max_bytes: int = AGENT_LOG_MAX_BYTES, log_keep: int = AGENT_LOG_KEEP,
+                 warm: WarmHost | None = None) -> None:
+        """``warm``: the node's warm-start server; when it is ready the agent is forked
+        there (``python -m`` commands of its interpreter only), else started cold."""
         # ``clock`` is accepted (and ignored) for existing callers: it only timed the
         # removed ``started_at``.
         del clock
@@ -263,7 +267,9 @@ class AgentProcess:
         self._etcd_auth = etcd_auth
         self._log_max_bytes = log_max_bytes
         self._log_keep = log_keep
-        self.proc: subprocess.Popen | None = None
+        self._warm = warm
+        self.proc: subprocess.Popen | WarmChild | None = None
+        self.started_warm = False
 
     def start(self) -> int:
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -272,16 +278,41 @@ class AgentProcess:
         tmp.mkdir(parents=True, exist_ok=True)
         if rotate_log(self._log_path, self._log_max_bytes, self._log_keep):
             log.info("agent log rotated", path=str(self._log_path), keep=self._log_keep)
-        # The parent-death signal is set by the child after exec (setpriv): Popen's
-        # preexec_fn would run Python between fork and exec while our threads run.
-        command = proctree.with_parent_death_signal(self._command)
-        stdin = subprocess.PIPE if self._etcd_auth else subprocess.DEVNULL
-        with open(self._log_path, "ab") as out:
-            self.proc = subprocess.Popen(command, env=self._env, stdout=out,
-                                         stderr=subprocess.STDOUT, stdin=stdin)
+        self.proc = self._start_warm()
+        self.started_warm = self.proc is not None
+        if self.proc is None:
+            # The parent-death signal is set by the child after exec (setpriv): Popen's
+            # preexec_fn would run Python between fork and exec while our threads run.
+            command = proctree.with_parent_death_signal(self._command)
+            stdin = subprocess.PIPE if self._etcd_auth else subprocess.DEVNULL
+            with open(self._log_path, "ab") as out:
+                self.proc = subprocess.Popen(command, env=self._env, stdout=out,
+                                             stderr=subprocess.STDOUT, stdin=stdin)
         if self._etcd_auth is not None:
             self._send_auth(self._etcd_auth)
         return self.proc.pid
+
+    def _start_warm(self) -> WarmChild | None:
+        """The agent forked by the ready warm-start server (its ``import torch``, 2.8 s
+        here, already done), or None: start it cold. Its parent-death signal is the
+        server's child's (``run_worker``), and the server SIGKILLs it when we die."""
+        warm, command = self._warm, self._command
+        if warm is None or command[:2] != [warm.python, "-m"] or warm.state() != "ready":
+            return None
+        reader, writer = os.pipe() if self._etcd_auth else (os.open(os.devnull, os.O_RDONLY), -1)
+        stdin = os.fdopen(writer, "wb") if writer >= 0 else None
+        try:
+            with open(self._log_path, "ab") as out:
+                return spawn(warm.socket_path, command[1:], self._env,
+                             [reader, out.fileno(), out.fileno()], stdin=stdin)
+        except (OSError, ValueError) as exc:
+            log.warning("the warm-start server did not fork the agent; starting it cold",
+                        error=str(exc))
+            if stdin is not None:
+                stdin.close()
+            return None
+        finally:
+            os.close(reader)
 
     def _send_auth(self, auth: EtcdAuth) -> None:
         # One short line fits in the pipe buffer, so this never blocks on a slow reader.

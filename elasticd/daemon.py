@@ -289,7 +289,13 @@ class Daemon:
             node_id=self.node_id, generation=progress.generation,
             world=progress.world(self.node_id), reform=progress.reform, shrink=shrink,
             drained=drained, grown=grown,
-            generation_record=job.generation)
+            generation_record=job.generation, **self._warm_server())
+
+    def _warm_server(self) -> dict[str, Any]:
+        host = self.warm_host
+        if host is None or host.started_at is None:
+            return {}
+        return {"warm_server": host.state(), "warm_server_age_s": time.monotonic() - host.started_at}
 
     def _restart_count(self, workers: list[psutil.Process]) -> int | None:
         """torch's restart count of ``workers``, read once per worker group (/proc)."""
@@ -388,12 +394,13 @@ class Daemon:
         command = torchrun_command(self.config, self.config.job.resolved_nproc(),
                                    self.files.torchrun_logs, warm)
         self.agent = AgentProcess(command, worker_env(self.config, self.files), self.files.agent_log,
-                                  etcd_auth=etcd_auth(self.config))
+                                  etcd_auth=etcd_auth(self.config), warm=self.warm_host)
         pid = self.agent.start()
         self.metrics.agent_starts.inc()
         self.membership.update(state="running", agent_pid=pid)
-        self._record("agent-started", agent_pid=pid)
-        return Outcome(f"agent {pid} started", {"agent_pid": pid})
+        how = "forked warm" if self.agent.started_warm else "cold"
+        self._record("agent-started", agent_pid=pid, start=how)
+        return Outcome(f"agent {pid} started ({how})", {"agent_pid": pid, "agent_start": how})
 
     def _terminate_agent(self, action: Action) -> None:
         """SIGTERM the agent and its workers (no wait: the drain's timer kills later)."""

@@ -39,17 +39,20 @@ imports torch without OMP_NUM_THREADS/MKL_NUM_THREADS, and each child sets its o
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import json
 import os
 import re
 import runpy
+import select
 import selectors
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -59,7 +62,11 @@ from typing import Any
 DEFAULT_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
                    "numpy", "structlog", "trainer.loop", "trainer.examples.common",
                    "checkpointing")
+# What the torchrun agent imports beyond them (0.2 s more): the daemon forks its agent
+# here too (``spawn``; elasticd.agent), which saves the agent its own ``import torch``.
+AGENT_IMPORTS = ("torch.distributed.run", "elasticd.rendezvous.handler")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+SPAWN_TIMEOUT_S = 5.0   # a ready server forks in milliseconds
 _THREAD_VARS = ("MKL_NUM_THREADS", "OMP_NUM_THREADS")  # torch's precedence
 _MAX_REQUEST = 1 << 20
 
@@ -161,10 +168,23 @@ class WarmServer:
             with contextlib.suppress(BaseException):
                 sys.excepthook(*sys.exc_info())
         finally:
-            with contextlib.suppress(Exception):
-                sys.stdout.flush()
-                sys.stderr.flush()
+            _exit_as_an_interpreter_does()
             os._exit(code)
+
+
+def _exit_as_an_interpreter_does() -> None:
+    """What a cold interpreter does before it exits: wait for the non-daemon threads, run
+    the ``atexit`` handlers (the script's, and those of the modules it imported, which
+    the server imported for it), flush. Without it a warm worker ended as if by
+    ``os._exit``: a script's handlers (a metrics logger's flush, the rendezvous leave of
+    a torchrun agent started warm) never ran."""
+    with contextlib.suppress(BaseException):
+        threading._shutdown()  # type: ignore[attr-defined] - what Py_Finalize calls
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
 
 
 def _fork_with_forwarded_blocked() -> tuple[int, set[signal.Signals]]:
@@ -225,13 +245,19 @@ def run_worker(request: dict[str, Any], fds: list[int], default_threads: int | N
     os.environ.update(request["env"])
     _thread_settings(default_threads)
     argv = list(request["argv"])
-    sys.argv = argv
-    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    module = argv[1] if argv[0] == "-m" and len(argv) > 1 else None
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process' own stdin
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     try:
-        runpy.run_path(argv[0], run_name="__main__")
+        if module is not None:   # ``-m MODULE ARGS``: what ``python -m`` does (the agent)
+            sys.argv = [module, *argv[2:]]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = argv
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     return 0
@@ -306,12 +332,8 @@ def client(socket_path: str, argv: list[str]) -> None:
     for sig in FORWARDED:
         signal.signal(sig, lambda s, _f: _forward(worker[0], s) if worker else held.append(s))
     try:
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(socket_path)
-        request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
-        socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
-        reader = conn.makefile("rb")
-        worker.append(int(json.loads(reader.readline() or b"{}")["pid"]))
+        _conn, reader, pid = _request(socket_path, argv, dict(os.environ), os.getcwd(), [0, 1, 2])
+        worker.append(pid)
     except (OSError, ValueError, KeyError, TypeError):
         if held:
             _exit_like(-held[0])
@@ -320,6 +342,89 @@ def client(socket_path: str, argv: list[str]) -> None:
         _forward(worker[0], sig)
     line = reader.readline()  # PEP 475: retried after each forwarded signal
     _exit_like(json.loads(line).get("exit", 1) if line else 1)
+
+
+def _request(socket_path: str, argv: list[str], env: Mapping[str, str], cwd: str,
+             fds: list[int], timeout: float | None = None) -> tuple[socket.socket, Any, int]:
+    """Ask the server to fork ``argv`` with ``fds`` as its 0, 1 and 2: the connection
+    (the child lives while it is open), its reader (the exit line comes there) and the
+    pid. ``timeout`` bounds the wait for the pid (None: as long as the server's imports)."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.settimeout(timeout)
+        conn.connect(socket_path)
+        request = {"argv": argv, "env": dict(env), "cwd": cwd}
+        socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], fds)
+        reader = conn.makefile("rb")
+        pid = int(json.loads(reader.readline() or b"{}")["pid"])
+        conn.settimeout(None)
+        return conn, reader, pid
+    except BaseException:
+        conn.close()
+        raise
+
+
+class WarmChild:
+    """A process the server forked for this one (``spawn``), with what the daemon uses of
+    ``subprocess.Popen``: ``pid``, ``stdin``, ``poll``, ``wait``, ``returncode``. Its exit
+    status comes over the connection (negative: killed by that signal); the connection's
+    end without one is the server's death, which kills the child (its parent-death
+    signal). Closing the connection (``close``, or this process's death) SIGKILLs it."""
+
+    def __init__(self, conn: socket.socket, reader: Any, pid: int, stdin: Any = None) -> None:
+        self._conn, self._reader = conn, reader
+        self.pid = pid
+        self.stdin = stdin
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            readable, _, _ = select.select([self._conn], [], [], 0)
+            if readable:
+                self._read_exit()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            readable, _, _ = select.select([self._conn], [], [], timeout)
+            if not readable:
+                raise subprocess.TimeoutExpired(f"warm child {self.pid}", timeout or 0.0)
+            self._read_exit()
+        assert self.returncode is not None
+        return self.returncode
+
+    def _read_exit(self) -> None:
+        line = self._reader.readline()
+        try:
+            self.returncode = int(json.loads(line)["exit"]) if line else -signal.SIGKILL
+        except (ValueError, KeyError, TypeError):
+            self.returncode = 1
+        self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._reader.close()
+            self._conn.close()
+
+
+def spawn(socket_path: str | Path, argv: list[str], env: Mapping[str, str], fds: list[int],
+          stdin: Any = None, timeout: float = SPAWN_TIMEOUT_S) -> WarmChild:
+    """Fork ``argv`` (``SCRIPT ARGS`` or ``-m MODULE ARGS``) from the ready server at
+    ``socket_path``, with ``fds`` (the parent's, still owned by it) as its 0, 1 and 2 and
+    this process's working directory. ``stdin``: the writer of a pipe whose reader is
+    ``fds[0]``, kept as the child's ``stdin``. Raises OSError or ValueError when no
+    server answers within ``timeout`` (the caller then starts it cold; a fork that comes
+    later finds the connection closed and is SIGKILLed)."""
+    try:
+        conn, reader, pid = _request(str(socket_path), argv, env, os.getcwd(), fds, timeout)
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"the warm-start server did not answer with a pid: {exc!r}") from None
+    return WarmChild(conn, reader, pid, stdin)
+
+
+def ready_path(socket_path: str | Path) -> Path:
+    """The file the server creates once its imports are done (removed when it starts)."""
+    return Path(f"{socket_path}.ready")
 
 
 def _forward(pid: int, sig: int) -> None:
@@ -354,8 +459,17 @@ class WarmHost:
         self.python = python
         self.socket_path = socket_path
         self.log_path = log_path
-        self.imports = (*DEFAULT_IMPORTS, *imports)
+        self.imports = (*DEFAULT_IMPORTS, *AGENT_IMPORTS, *imports)
         self.proc: subprocess.Popen | None = None
+        self.started_at: float | None = None   # time.monotonic() of the start
+
+    def state(self) -> str:
+        """``off`` (never started), ``importing``, ``ready`` (forks at once) or ``dead``."""
+        if self.proc is None:
+            return "off"
+        if self.proc.poll() is not None:
+            return "dead"
+        return "ready" if ready_path(self.socket_path).exists() else "importing"
 
     def start(self, env: Mapping[str, str]) -> None:
         from elasticd import proctree
@@ -364,9 +478,11 @@ class WarmHost:
         command = proctree.with_parent_death_signal(
             [self.python, "-m", "elasticd.warmstart", "--serve", str(self.socket_path),
              *self.imports])
+        ready_path(self.socket_path).unlink(missing_ok=True)   # a previous server's
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(command, env=dict(env), stdout=out,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.started_at = time.monotonic()
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -374,6 +490,7 @@ class WarmHost:
             self.proc.wait()
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
+        ready_path(self.socket_path).unlink(missing_ok=True)
 
 
 def serve(socket_path: str, imports: Sequence[str] = DEFAULT_IMPORTS) -> None:
@@ -386,13 +503,17 @@ def serve(socket_path: str, imports: Sequence[str] = DEFAULT_IMPORTS) -> None:
     # environment sets neither gets; every worker then sets the count of its own (run_worker).
     for var in _THREAD_VARS:
         os.environ.pop(var, None)
+    ready = ready_path(socket_path)
+    ready.unlink(missing_ok=True)
     started = time.monotonic()
     failed = preload(imports)
     if failed:
         print(json.dumps({"event": "warm imports failed", "modules": failed}), file=sys.stderr)
-    # When warm starts begin (a newcomer's workers wait for this): the log says it.
+    # When warm starts begin (a newcomer's workers wait for this): the log says it, and
+    # the ready file tells the daemon it may fork its agent here (WarmHost.ready).
     print(json.dumps({"event": "warm imports done", "s": round(time.monotonic() - started, 3),
                       "time": time.time()}), file=sys.stderr, flush=True)
+    ready.touch()
     torch = sys.modules.get("torch")
     server.default_threads = torch.get_num_threads() if torch is not None else None
     server.serve_forever()

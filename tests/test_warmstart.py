@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elasticd import proctree
+from elasticd import proctree, warmstart
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = REPO / "tests" / "workers"
@@ -252,3 +252,74 @@ def test_the_server_logs_when_its_imports_are_done(tmp_path):
         proc.wait()
     assert failed == {"event": "warm imports failed", "modules": ["no.such.module"]}
     assert done["event"] == "warm imports done" and done["s"] >= 0 and done["time"] > 0
+
+
+MODULE = """
+import atexit, os, sys, time
+atexit.register(lambda: print("atexit ran", flush=True))
+print("module", __name__, sys.argv[1:], os.getcwd(), sys.stdin.readline().strip(), flush=True)
+if sys.argv[1] == "sleep":
+    time.sleep(60)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def _spawn(root: Path, sock: Path, *args: str) -> tuple[warmstart.WarmChild, Path]:
+    """``-m warm_mod ARGS`` forked by the server, its stdin a pipe, its output a file."""
+    out = root / f"out-{random.randrange(1 << 30)}.txt"
+    reader, writer = os.pipe()
+    with open(out, "wb") as log:
+        child = warmstart.spawn(sock, ["-m", "warm_mod", *args], dict(os.environ),
+                                [reader, log.fileno(), log.fileno()], stdin=os.fdopen(writer, "wb"))
+    os.close(reader)
+    return child, out
+
+
+def test_spawn_forks_a_module_with_its_argv_stdin_and_exit_code_and_runs_its_atexit(
+        server, monkeypatch):
+    # What the daemon does with its torchrun agent: ``-m MODULE``, credentials on stdin,
+    # and the agent's atexit handlers (its rendezvous leave) must run as in a cold one.
+    root, sock, _ = server
+    (root / "warm_mod.py").write_text(MODULE)
+    monkeypatch.chdir(root)
+    child, out = _spawn(root, sock, "5")
+    child.stdin.write(b"secret-line\n")
+    child.stdin.close()
+    assert child.wait(timeout=30) == 5 and child.poll() == 5
+    assert out.read_text().splitlines() == [f"module __main__ ['5'] {root} secret-line", "atexit ran"]
+
+
+def test_a_warm_child_is_polled_without_blocking_and_dies_with_its_connection(server, monkeypatch):
+    root, sock, proc = server
+    (root / "warm_mod.py").write_text(MODULE)
+    monkeypatch.chdir(root)
+    child, _ = _spawn(root, sock, "sleep")
+    assert psutil.Process(child.pid).ppid() == proc.pid   # the server's child, not ours
+    assert child.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(timeout=0.1)
+    child.close()   # as if the daemon died: the server SIGKILLs what it forked for it
+    assert proctree.wait_for(lambda: not proctree.pid_alive(child.pid), 10)
+
+
+def test_spawn_without_a_server_raises_for_the_cold_fallback(tmp_path):
+    with pytest.raises(OSError):
+        warmstart.spawn(tmp_path / "absent.sock", ["-m", "json"], {}, [0, 1, 2])
+
+
+def test_the_host_says_importing_then_ready_then_dead(tmp_path):
+    host = warmstart.WarmHost(sys.executable, tmp_path / "warm.sock", tmp_path / "warm.log")
+    assert host.state() == "off"
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{REPO}")
+    (tmp_path / "time_slow.py").write_text("import time\ntime.sleep(1.5)\n")
+    host.imports = ("time_slow",)   # stands in for torch's seconds of imports
+    host.start(env)
+    try:
+        assert proctree.wait_for(lambda: host.state() == "importing", 10)
+        assert proctree.wait_for(lambda: host.state() == "ready", 30)
+    finally:
+        host.proc.kill()
+        host.proc.wait()
+    assert host.state() == "dead"
+    host.stop()
+    assert not warmstart.ready_path(host.socket_path).exists()

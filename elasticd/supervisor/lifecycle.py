@@ -405,6 +405,15 @@ def start(snap: Snapshot, mem: Memory, policy: Policy):
         return None
     if snap.now < mem.life.restart_at:
         return None
+    if snap.warm_server == "importing" and snap.warm_server_age_s < policy.warm_agent_wait_s:
+        # Forked by the server, the agent skips its own ``import torch`` (2.8 s here, more
+        # on a node whose cores the job keeps busy); the server started with the daemon,
+        # so what is left of its imports is shorter than that.
+        if mem.life.warm_wait_said:
+            return mem, [], ""
+        return mem.but(warm_wait_said=True), [], (
+            f"waiting for the warm-start server's imports ({snap.warm_server_age_s:.1f} s in) "
+            "to start the torchrun agent there")
     verb = "restarting" if mem.phase is Phase.BACKOFF else "starting"
     live = joins_in_place(snap, mem, policy)
     actions = [act(Kind.START_AGENT, enter=live), *entering(snap, live, policy, warm=False)]
@@ -412,7 +421,7 @@ def start(snap: Snapshot, mem: Memory, policy: Policy):
         actions.append(act(Kind.NOTIFY, what="ready"))
     mem = change_phase(mem, Phase.RUNNING, exit_handled=False, agent_released=False,
                   round_broken_since=None, workers=frozenset(), step_at=None, workers_at=None,
-                  ready_sent=True, reformed_without=frozenset(), joining=live,
+                  ready_sent=True, reformed_without=frozenset(), joining=live, warm_wait_said=False,
                   joining_since=snap.now if live is not None else None, join_proposed=False,
                   join_agreed_at=None, join_warm_at=None)
     how = f" to enter generation {live} in place (its workers start as newcomers)" if live else ""

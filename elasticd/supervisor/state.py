@@ -105,6 +105,10 @@ class Policy:
     # same live world but not warm yet, so that both enter as one generation (the members
     # re-form once for both, not once each).
     join_batch_s: float = 5.0
+    # An agent start waits this long at most (from the server's start, with the daemon)
+    # for the warm-start server's imports, to be forked there (elasticd.agent): measured
+    # 4.4 s on an idle machine here, 7-9 s beside a training job; past it, it starts cold.
+    warm_agent_wait_s: float = 20.0
 
 
 @dataclass(frozen=True)
@@ -175,6 +179,10 @@ class Snapshot:
     grown: ShrinkOutcome | None = None     # the last GROW_IN_PLACE's outcome
     generation_record: GenerationRecord | None = None  # etcd: the agreed generation
     worker_error: str | None = None        # agent log: the workers' newest exception line
+    # The warm-start server (elasticd.warmstart.WarmHost.state): off | importing | ready |
+    # dead, and how long since it was started.
+    warm_server: str = "off"
+    warm_server_age_s: float = 0.0
 
     def newcomers(self, live: GenerationId, warm: bool = True) -> list[Entering]:
         """The live peers whose newcomers are (``warm``) or are not yet warm for a world of
@@ -248,6 +256,7 @@ class Lifecycle:
     join_agreed_at: float | None = None
     join_fell_back: bool = False
     join_warm_at: float | None = None   # when our newcomers reported warm (published then)
+    warm_wait_said: bool = False   # the wait for the warm-start server was logged (once)
 
 
 @dataclass(frozen=True)

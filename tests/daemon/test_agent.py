@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elasticd import proctree
+from elasticd import proctree, warmstart
 from elasticd.agent import (
     AgentProcess,
     RunFiles,
@@ -34,6 +34,7 @@ from elasticd.contract.settings import (
     WorkerSettings,
     decode_etcd_auth,
 )
+from elasticd.warmstart import WarmHost
 
 CONFIG = config_from_dict({
     "job": {"id": "j1", "entrypoint": ["train.py", "--x", "1"], "min_nodes": 2, "max_nodes": 4},
@@ -172,6 +173,44 @@ def test_auth_flag_and_credentials_must_agree(tmp_path):
     with pytest.raises(ValueError, match="etcd_auth is given"):
         AgentProcess(["true"], worker_env(CONFIG, files), files.agent_log,
                      etcd_auth=etcd_auth(AUTH_CONFIG))
+
+
+# -- the agent forked warm -----------------------------------------------------------------
+
+@pytest.fixture
+def warm_host(tmp_path, monkeypatch):
+    """A ready warm-start server (a light import list) and the recorder as a module."""
+    (tmp_path / "recorder_mod.py").write_text(_RECORDER)
+    monkeypatch.chdir(tmp_path)   # ``-m`` finds its module in the working directory
+    host = WarmHost(sys.executable, tmp_path / "warm.sock", tmp_path / "warm.log")
+    host.imports = ("json",)
+    host.start(dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))
+    assert proctree.wait_for(lambda: host.state() == "ready", 60), host.log_path.read_text()
+    yield host
+    host.stop()
+
+
+def test_a_ready_warm_server_forks_the_agent_with_its_credentials_on_stdin(tmp_path, warm_host):
+    out, files = tmp_path / "record.json", RunFiles(tmp_path / "run")
+    agent = AgentProcess([sys.executable, "-m", "recorder_mod", str(out)],
+                         worker_env(AUTH_CONFIG, files), files.agent_log,
+                         etcd_auth=etcd_auth(AUTH_CONFIG), warm=warm_host)
+    pid = agent.start()
+    assert agent.started_warm and psutil.Process(pid).ppid() == warm_host.proc.pid
+    assert agent.proc.wait(30) == 0 and agent.exit_code() == 0, files.agent_log.read_text()
+    record = json.loads(out.read_text())
+    assert bytes.fromhex(record["stdin"]) == b'{"user": "elastic", "password": "pa\\"ss\\nword"}\n'
+    assert record["fd0"].startswith("pipe:") and record["env"][ETCD_AUTH_STDIN_VAR] == "1"
+
+
+def test_the_agent_starts_cold_unless_the_warm_server_is_ready(tmp_path, warm_host):
+    out, files = tmp_path / "record.json", RunFiles(tmp_path / "run")
+    warmstart.ready_path(warm_host.socket_path).unlink()   # as while it imports
+    agent = AgentProcess([sys.executable, "-m", "recorder_mod", str(out)],
+                         worker_env(CONFIG, files), files.agent_log, warm=warm_host)
+    agent.start()
+    assert not agent.started_warm and agent.proc.wait(30) == 0
+    assert json.loads(out.read_text())["fd0"] == "/dev/null"
 
 
 # -- the parent-death signal ----------------------------------------------------------------

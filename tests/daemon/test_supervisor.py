@@ -77,6 +77,26 @@ def test_idle_starts_the_agent_and_reports_ready_once():
     assert again.kinds() == [Kind.START_AGENT]
 
 
+def test_a_start_waits_for_the_warm_servers_imports_saying_so_once_then_starts():
+    # Forked by the server the agent skips its own import of torch (elasticd.agent).
+    waiting = d(snap(warm_server="importing", warm_server_age_s=3.0), Memory.of())
+    assert (waiting.actions, waiting.phase) == ((), Phase.IDLE)
+    assert waiting.reason == ("waiting for the warm-start server's imports (3.0 s in) to "
+                              "start the torchrun agent there")
+    quiet = d(snap(warm_server="importing", warm_server_age_s=4.0), waiting.memory)
+    assert (quiet.actions, quiet.reason) == ((), "")
+    ready = d(snap(warm_server="ready", warm_server_age_s=5.0), quiet.memory)
+    assert ready.kinds() == [Kind.START_AGENT, Kind.NOTIFY]
+    assert not ready.memory.life.warm_wait_said
+
+
+@pytest.mark.parametrize("state, age", [("importing", 20.0), ("dead", 1.0), ("off", 0.0)])
+def test_a_start_does_not_wait_for_a_warm_server_past_its_bound_or_dead(state, age):
+    out = d(snap(warm_server=state, warm_server_age_s=age), Memory.of(),
+            replace(POLICY, warm_agent_wait_s=20.0))
+    assert out.kinds() == [Kind.START_AGENT, Kind.NOTIFY]
+
+
 def test_running_agent_with_nothing_new_does_nothing():
     out = d(live())
     assert (out.actions, out.phase, out.reason) == ((), Phase.RUNNING, "")
