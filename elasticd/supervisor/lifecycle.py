@@ -411,7 +411,10 @@ def start(snap: Snapshot, mem: Memory, policy: Policy):
         # so what is left of its imports is shorter than that.
         if mem.life.warm_wait_said:
             return mem, [], ""
-        return mem.but(warm_wait_said=True), [], (
+        # A join in place says now that our newcomers will come: a warm newcomer of
+        # another node waits for them (join_batch_s) to enter as one generation.
+        soon = entering(snap, joins_in_place(snap, mem, policy), policy, warm=False)
+        return mem.but(warm_wait_said=True), soon, (
             f"waiting for the warm-start server's imports ({snap.warm_server_age_s:.1f} s in) "
             "to start the torchrun agent there")
     verb = "restarting" if mem.phase is Phase.BACKOFF else "starting"

@@ -68,6 +68,17 @@ def test_a_new_node_of_a_live_in_place_world_starts_its_agent_to_enter_it():
     assert (m.life.joining, m.life.joining_since) == (G, T)
 
 
+def test_a_newcomer_waiting_for_its_warm_server_says_at_once_that_it_will_enter():
+    # Another node's warm newcomer then waits for ours (join_batch_s): one generation
+    # for both, as when both agents started at once (seen: two joins entered one by one).
+    out = decide(snap(warm_server="importing", warm_server_age_s=2.0), Memory(), POLICY)
+    assert out.kinds() == [Kind.PUBLISH] and "warm-start server's imports" in out.reason
+    assert out.actions[0]["fields"] == {"entering": {"generation": G.as_dict(), "warm": False,
+                                                     "nproc": 1}}
+    assert decide(snap(warm_server="importing", warm_server_age_s=3.0), out.memory,
+                  POLICY).actions == ()
+
+
 @pytest.mark.parametrize("why, policy, kw", [
     ("switched off (or not keyed rounds)", replace(POLICY, join_in_place=False), {}),
     ("no live world published", POLICY, {"peers": {"b": replace(B, world=None)}}),
