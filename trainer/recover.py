@@ -318,11 +318,13 @@ def hand_over(st: TrainState, device: torch.device, newcomer: bool = False) -> i
     not hold it; a ``newcomer`` holds none. Members at that step already keep theirs (DDP
     made them identical). Returns the step."""
     newest, holder, every = inplace.newest_state(-1 if newcomer else st.step, device)
-    if min(every) != newest:
-        rank = torch.distributed.get_rank()  # in the new group (the context follows)
-        saved = inplace.send_state(st.to_checkpoint() if rank == holder else None, holder, device)
-        if every[rank] != newest:
-            st.scale = st.load_checkpoint(saved, newest)
+    needs = [r for r, step in enumerate(every) if step != newest]
+    rank = torch.distributed.get_rank()  # in the new group (the context follows)
+    if rank == holder and needs:
+        inplace.send_state(st.to_checkpoint(), holder, device, needs)
+    elif rank in needs:
+        st.scale = st.load_checkpoint(inplace.send_state(None, holder, device, needs), newest)
+    if needs:
         log.info("training state handed over", step=newest, holder=holder, steps=every)
     if os.environ.get(STATE_DIGEST_ENV) == "1":   # a full pass over the state: tests, diagnosis
         log.info("training state digest", step=newest, digest=st.digest())
