@@ -251,6 +251,7 @@ def run_worker(request: dict[str, Any], fds: list[int], default_threads: int | N
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     try:
         if module is not None:   # ``-m MODULE ARGS``: what ``python -m`` does (the agent)
+            _title([sys.executable, *argv])
             sys.argv = [module, *argv[2:]]
             sys.path[0] = os.getcwd()
             runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -261,6 +262,16 @@ def run_worker(request: dict[str, Any], fds: list[int], default_threads: int | N
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     return 0
+
+
+def _title(command: list[str]) -> None:
+    """Show ``command`` as this process's command line (``ps``, ``/proc/PID/cmdline``): a
+    forked child keeps the server's otherwise, and the torchrun agent is found by its own
+    (by operators, the chaos lab, the benchmarks). Workers keep the server's, which is how
+    the tools tell them from their clients."""
+    setproctitle = sys.modules.get("setproctitle")   # imported by ``serve``
+    if setproctitle is not None:   # a declared dependency; without it only ``ps`` is less clear
+        setproctitle.setproctitle(" ".join(command))
 
 
 def cold_threads(env: Mapping[str, str], default: int, mkl: bool) -> int:
@@ -495,6 +506,12 @@ class WarmHost:
 
 def serve(socket_path: str, imports: Sequence[str] = DEFAULT_IMPORTS) -> None:
     """The server's main: import, then serve until killed."""
+    # Before the environment changes: setproctitle finds the command line's memory by the
+    # environment's (on its first call, not at import), and a forked child that cleared
+    # its environment first set no title.
+    with contextlib.suppress(ImportError):
+        import setproctitle
+        setproctitle.getproctitle()   # initialised here, used by _title in the children
     # Listen first: a client that comes during the imports waits in the backlog for them
     # (about what a cold start would take) instead of starting cold beside them.
     server = WarmServer(socket_path)

@@ -258,6 +258,7 @@ MODULE = """
 import atexit, os, sys, time
 atexit.register(lambda: print("atexit ran", flush=True))
 print("module", __name__, sys.argv[1:], os.getcwd(), sys.stdin.readline().strip(), flush=True)
+print("title", open("/proc/self/cmdline", "rb").read().split(b"\\0")[0].decode(), flush=True)
 if sys.argv[1] == "sleep":
     time.sleep(60)
 sys.exit(int(sys.argv[1]))
@@ -286,7 +287,8 @@ def test_spawn_forks_a_module_with_its_argv_stdin_and_exit_code_and_runs_its_ate
     child.stdin.write(b"secret-line\n")
     child.stdin.close()
     assert child.wait(timeout=30) == 5 and child.poll() == 5
-    assert out.read_text().splitlines() == [f"module __main__ ['5'] {root} secret-line", "atexit ran"]
+    assert out.read_text().splitlines() == [f"module __main__ ['5'] {root} secret-line",
+                                            f"title {sys.executable} -m warm_mod 5", "atexit ran"]
 
 
 def test_a_warm_child_is_polled_without_blocking_and_dies_with_its_connection(server, monkeypatch):

@@ -103,9 +103,11 @@ class FakeAgentProcess:
 
     made: list[FakeAgentProcess] = []
 
-    def __init__(self, command, env, log_path, *, etcd_auth=None) -> None:
+    def __init__(self, command, env, log_path, *, etcd_auth=None, warm=None) -> None:
         self.command, self.env, self.log_path, self.etcd_auth = command, env, log_path, etcd_auth
+        self.warm = warm
         self.pid: int | None = None
+        self.started_warm = False
         FakeAgentProcess.made.append(self)
 
     def start(self) -> int:
@@ -353,6 +355,7 @@ def test_start_agent_starts_torchrun_and_publishes_and_journals_its_pid(daemon, 
     run(daemon, Kind.START_AGENT, enter=None)
     [agent] = FakeAgentProcess.made
     assert daemon.agent is agent and agent.pid == AGENT_PID
+    assert agent.warm is daemon.warm_host   # forked there once it is ready (elasticd.agent)
     assert "torch.distributed.run" in agent.command and f"--local-addr={ADDR}" in agent.command
     assert agent.log_path == daemon.files.agent_log
     assert WorkerSettings.from_env(agent.env).node_id == "a"
@@ -363,7 +366,7 @@ def test_start_agent_starts_torchrun_and_publishes_and_journals_its_pid(daemon, 
     record = get_json(client, keys.node("a"))
     assert (record["state"], record["agent_pid"]) == ("running", AGENT_PID)
     [entry] = recent_events(client, keys)
-    assert (entry["kind"], entry["agent_pid"]) == ("agent-started", AGENT_PID)
+    assert (entry["kind"], entry["agent_pid"], entry["start"]) == ("agent-started", AGENT_PID, "cold")
     assert daemon.metrics.registry.get_sample_value("elasticd_agent_starts_total") == 1
 
 

@@ -78,8 +78,13 @@ def _cmdline(proc: psutil.Process) -> list[str]:
         return []
 
 
+def _is_agent(proc: psutil.Process) -> bool:
+    # Joined: an agent forked warm shows its command line as one string (setproctitle).
+    return "torch.distributed.run" in " ".join(_cmdline(proc))
+
+
 def agent_of(node: DaemonNode) -> psutil.Process | None:
-    return next((p for p in node.tree()[1:] if "torch.distributed.run" in _cmdline(p)), None)
+    return next((p for p in node.tree()[1:] if _is_agent(p)), None)
 
 
 def workers_of(node: DaemonNode) -> list[psutil.Process]:
@@ -90,7 +95,8 @@ def workers_of(node: DaemonNode) -> list[psutil.Process]:
         cmd = _cmdline(proc)
         if "elasticd.warmstart" in cmd and "--serve" in cmd:
             with contextlib.suppress(psutil.Error):
-                out.extend(proc.children())
+                # (Not the torchrun agent it forked: that one shows its own command line.)
+                out.extend(c for c in proc.children() if not _is_agent(c))
         elif node.script in cmd and not ({"torch.distributed.run", "elasticd.warmstart"} & set(cmd)):
             out.append(proc)
     return out
