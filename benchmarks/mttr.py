@@ -111,6 +111,7 @@ from elasticd.lab.local_cluster import (  # noqa: E402
     TRAIN_ARGS,
     Cluster,
     Node,
+    is_agent,
     kill_descendants,
     local_cluster,
     record_time,
@@ -555,7 +556,7 @@ def _role(proc: psutil.Process) -> str | None:
     joined = " ".join(cmd)
     if cmd and cmd[0].endswith("etcd"):
         return "etcd"
-    if "torch.distributed.run" in joined:
+    if is_agent(cmd):
         return "agent"
     if "elasticd.warmstart" in joined and "--serve" in cmd:
         # The warm-start server, or a worker it forked: that keeps the server's command line.

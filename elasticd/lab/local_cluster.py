@@ -119,6 +119,13 @@ def base_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 # -- readers of logs and progress files ----------------------------------------------------
 
+def is_agent(cmdline: list[str]) -> bool:
+    """Whether a process's command line is a torchrun agent's: a cold one, or one forked by
+    the warm-start server (its title, one string: setproctitle). Not the server's own,
+    whose import list names torchrun's module too, nor a worker it forked (the server's)."""
+    return "-m torch.distributed.run" in " ".join(cmdline)
+
+
 def json_lines(path: Path) -> list[dict[str, Any]]:
     """Every JSON object of a log, one per line (a line may start with a prefix, as
     torchrun's ``[rank0]:`` or a timestamp)."""

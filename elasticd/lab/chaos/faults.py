@@ -38,7 +38,7 @@ from checkpointing.manifest import Manifest
 from elasticd import proctree
 from elasticd.lab.embedded_etcd import EmbeddedEtcd, EmbeddedEtcdCluster
 from elasticd.lab.fake_metadata import FakeMetadata
-from elasticd.lab.local_cluster import DaemonNode
+from elasticd.lab.local_cluster import DaemonNode, is_agent
 
 Detail = dict[str, Any]
 
@@ -79,8 +79,7 @@ def _cmdline(proc: psutil.Process) -> list[str]:
 
 
 def _is_agent(proc: psutil.Process) -> bool:
-    # Joined: an agent forked warm shows its command line as one string (setproctitle).
-    return "torch.distributed.run" in " ".join(_cmdline(proc))
+    return is_agent(_cmdline(proc))
 
 
 def agent_of(node: DaemonNode) -> psutil.Process | None:
