@@ -201,6 +201,9 @@ def test_a_ready_warm_server_forks_the_agent_with_its_credentials_on_stdin(tmp_p
     record = json.loads(out.read_text())
     assert bytes.fromhex(record["stdin"]) == b'{"user": "elastic", "password": "pa\\"ss\\nword"}\n'
     assert record["fd0"].startswith("pipe:") and record["env"][ETCD_AUTH_STDIN_VAR] == "1"
+    assert not any('pa"ss' in v for v in record["env"].values())
+    environ = Path(f"/proc/{warm_host.proc.pid}/environ").read_bytes()   # what the fork shows
+    assert b"pa\"ss" not in environ
 
 
 def test_the_agent_starts_cold_unless_the_warm_server_is_ready(tmp_path, warm_host):
