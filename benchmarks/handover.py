@@ -7,11 +7,13 @@ each state size, in alternating order within each repetition:
 
     link       dist.send of the state's bytes as one uint8 tensor, holder -> newcomer:
                the link's floor (what the bytes cost on the wire, nothing else)
-    handover   trainer.inplace.send_state of a state dict of that many bytes of float32
-               tensors (serialized with torch.save, sent point to point to the ranks that
-               need it, loaded): what a join pays
-    broadcast  the same state broadcast to every rank (what send_state did before; every
-               member received it too)
+    handover   trainer.transfer.send_state of a state dict of that many bytes of float32
+               tensors (the tensors' bytes sent as they are, point to point to the ranks
+               that need it; only the structure serialized): what a join pays
+    serialized the whole state through torch.save and torch.load in memory, sent point to
+               point (send_state of 98ec0ea)
+    broadcast  the same serialized state broadcast to every rank (send_state before
+               98ec0ea; every member received it too)
 
 Times are the holder's and the newcomer's wall clock from a barrier to the newcomer's
 loaded state (max over ranks), medians over ``--repeats``; overhead = handover - link.
@@ -43,9 +45,9 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from trainer import inplace  # noqa: E402 - after the path
+from trainer import transfer  # noqa: E402 - after the path
 
-METHODS = ("link", "handover", "broadcast")
+METHODS = ("link", "handover", "serialized", "broadcast")
 CHUNK = 1 << 24   # 16 MiB tensors make up the state (a model's parameters, roughly)
 
 
@@ -54,6 +56,22 @@ def _state(nbytes: int, seed: int) -> dict[str, torch.Tensor]:
     n, left = CHUNK // 4, nbytes // 4
     return {f"p{i}": torch.randn(min(n, left - i * n), generator=gen)
             for i in range((left + n - 1) // n)}
+
+
+def _serialized(state: dict | None, holder: int, newcomer: int) -> dict:
+    """send_state of 98ec0ea: the whole state serialized, sent point to point."""
+    if dist.get_rank() == holder:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        data = torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)
+        dist.send(torch.tensor([data.numel()], dtype=torch.int64), newcomer)
+        dist.send(data, newcomer)
+        return state
+    size = torch.empty(1, dtype=torch.int64)
+    dist.recv(size, holder)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(data, holder)
+    return torch.load(io.BytesIO(data.numpy()), weights_only=True)
 
 
 def _broadcast(state: dict | None, holder: int) -> dict:
@@ -83,10 +101,13 @@ def _one(method: str, nbytes: int, state: dict | None, rank: int, newcomer: int)
             dist.recv(data, 0)
     elif method == "handover":
         if rank == 0:
-            inplace.send_state(state, 0, torch.device("cpu"), [newcomer])
+            transfer.send_state(state, 0, torch.device("cpu"), [newcomer])
         elif rank == newcomer:
-            got = inplace.send_state(None, 0, torch.device("cpu"), [newcomer])
+            got = transfer.send_state(None, 0, torch.device("cpu"), [newcomer])
             assert len(got) == len(state or got)
+    elif method == "serialized":
+        if rank in (0, newcomer):
+            _serialized(state if rank == 0 else None, 0, newcomer)
     else:
         _broadcast(state if rank == 0 else None, 0)
     took = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
@@ -136,13 +157,14 @@ def summarize(rows: list[dict], args: argparse.Namespace) -> dict:
 def markdown(result: dict) -> str:
     lines = [f"# State hand-over vs the link (gloo, loopback, world {result['world']}, "
              f"seed {result['seed']}, median of {result['repeats']})", "",
-             "| state | link (bytes alone) | hand-over (send_state) | broadcast to all (before) "
-             "| link MB/s | hand-over - link | target (0.2 s + link) |",
-             "|---|---|---|---|---|---|---|"]
+             "| state | link (bytes alone) | hand-over (send_state) | serialized, point to point "
+             "(98ec0ea) | broadcast to all (before 98ec0ea) | link MB/s | hand-over - link "
+             "| target (0.2 s + link) |",
+             "|---|---|---|---|---|---|---|---|"]
     for size, c in result["cells"].items():
         verdict = "met" if c["met"] else "**missed**"
         lines.append(f"| {size} MiB | {c['link']:.3f} s | {c['handover']:.3f} s | "
-                     f"{c['broadcast']:.3f} s | {c['link_mb_per_s']:.0f} | "
+                     f"{c['serialized']:.3f} s | {c['broadcast']:.3f} s | {c['link_mb_per_s']:.0f} | "
                      f"{c['overhead_s']:+.3f} s | {c['target_s']:.3f} s: {verdict} |")
     lines += ["", "Holder rank 0, newcomer the last rank, the others members at the newest step; "
               "times from a barrier to the newcomer's loaded state, max over ranks "

@@ -10,7 +10,7 @@ twice that: parameters and momentum), one DDP step after another. ``DIR/grow.jso
 every founder re-form after step S into the record's bigger world; a newcomer (no world
 arguments: started warm, imports done, no group) enters that generation
 (``reform.join_as_newcomer``). The holder of the newest state (rank 0) sends it to the
-newcomer over the new group (``trainer.inplace.send_state``), DDP is rebuilt, and everyone
+newcomer over the new group (``trainer.transfer.send_state``), DDP is rebuilt, and everyone
 runs ``POST_STEPS`` more steps. Each member writes ``DIR/NODE.json``: the wall time each
 step ended, the re-form's and the hand-over's durations and the mechanism.
 """
@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from elasticd.contract.generation import GenerationId, GenerationRecord
-from trainer import inplace, reform
+from trainer import inplace, reform, transfer
 
 TIMEOUT = timedelta(seconds=60)
 CPU = torch.device("cpu")
@@ -107,9 +107,10 @@ def main() -> None:
     out["reformed_s"] = time.time() - started
     handed = time.time()
     newest, holder, every = inplace.newest_state(step, CPU)
-    if min(every) != newest:
+    needs = [r for r, s in enumerate(every) if s != newest]
+    if dist.get_rank() == holder or dist.get_rank() in needs:
         mine = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
-        state = inplace.send_state(mine if dist.get_rank() == holder else None, holder, CPU)
+        state = transfer.send_state(mine if dist.get_rank() == holder else None, holder, CPU, needs)
         if dist.get_rank() != holder:
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optim"])

@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import io
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -340,26 +339,3 @@ def newest_state(step: int, device: torch.device) -> tuple[int, int, list[int]]:
     newest = max(every)
     return newest, every.index(newest), every
 
-
-def send_state(state: dict[str, Any] | None, holder: int, device: torch.device,
-               needs: Sequence[int]) -> dict[str, Any]:
-    """The holder's training state on the ranks in ``needs`` (the holder and each of them
-    call this; the others nothing). Serialized once and sent point to point, to the ranks
-    that need it only: a broadcast sent it to every rank of the new group, and with the
-    heavy script's 1 GiB the members' join outlasted the 5 s bound. No copy on the
-    holder's side beyond the serialization (on the CPU), one on a receiver's."""
-    if dist.get_rank() == holder:
-        assert state is not None
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        data = torch.frombuffer(buf.getbuffer(), dtype=torch.uint8).to(device)
-        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-        for rank in needs:
-            dist.send(size, rank)
-            dist.send(data, rank)
-        return state
-    size = torch.empty(1, dtype=torch.int64, device=device)
-    dist.recv(size, holder)
-    data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.recv(data, holder)
-    return torch.load(io.BytesIO(data.cpu().numpy()), weights_only=True)

@@ -30,7 +30,7 @@ import torch
 from checkpointing.errors import StaleGenerationError
 from elasticd.contract.generation import GenerationId, GenerationRecord
 from trainer import dist as tdist
-from trainer import inplace, reform
+from trainer import inplace, reform, transfer
 from trainer.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -321,9 +321,9 @@ def hand_over(st: TrainState, device: torch.device, newcomer: bool = False) -> i
     needs = [r for r, step in enumerate(every) if step != newest]
     rank = torch.distributed.get_rank()  # in the new group (the context follows)
     if rank == holder and needs:
-        inplace.send_state(st.to_checkpoint(), holder, device, needs)
+        transfer.send_state(st.to_checkpoint(), holder, device, needs)
     elif rank in needs:
-        st.scale = st.load_checkpoint(inplace.send_state(None, holder, device, needs), newest)
+        st.scale = st.load_checkpoint(transfer.send_state(None, holder, device, needs), newest)
     if needs:
         log.info("training state handed over", step=newest, holder=holder, steps=every)
     if os.environ.get(STATE_DIGEST_ENV) == "1":   # a full pass over the state: tests, diagnosis
