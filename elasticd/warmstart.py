@@ -473,6 +473,7 @@ class WarmHost:
         self.imports = (*DEFAULT_IMPORTS, *AGENT_IMPORTS, *imports)
         self.proc: subprocess.Popen | None = None
         self.started_at: float | None = None   # time.monotonic() of the start
+        self._ready = False   # the server said its imports are done (it stays so)
 
     def state(self) -> str:
         """``off`` (never started), ``importing``, ``ready`` (forks at once) or ``dead``."""
@@ -480,7 +481,9 @@ class WarmHost:
             return "off"
         if self.proc.poll() is not None:
             return "dead"
-        return "ready" if ready_path(self.socket_path).exists() else "importing"
+        # Asked every cycle: the file is looked at until it is there, then no more.
+        self._ready = self._ready or ready_path(self.socket_path).exists()
+        return "ready" if self._ready else "importing"
 
     def start(self, env: Mapping[str, str]) -> None:
         from elasticd import proctree
@@ -490,6 +493,7 @@ class WarmHost:
             [self.python, "-m", "elasticd.warmstart", "--serve", str(self.socket_path),
              *self.imports])
         ready_path(self.socket_path).unlink(missing_ok=True)   # a previous server's
+        self._ready = False
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(command, env=dict(env), stdout=out,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -527,7 +531,7 @@ def serve(socket_path: str, imports: Sequence[str] = DEFAULT_IMPORTS) -> None:
     if failed:
         print(json.dumps({"event": "warm imports failed", "modules": failed}), file=sys.stderr)
     # When warm starts begin (a newcomer's workers wait for this): the log says it, and
-    # the ready file tells the daemon it may fork its agent here (WarmHost.ready).
+    # the ready file tells the daemon it may fork its agent here (WarmHost.state).
     print(json.dumps({"event": "warm imports done", "s": round(time.monotonic() - started, 3),
                       "time": time.time()}), file=sys.stderr, flush=True)
     ready.touch()

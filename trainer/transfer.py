@@ -41,9 +41,10 @@ def send_state(state: dict[str, Any] | None, holder: int, device: torch.device,
         for rank in needs:
             dist.send(size, rank)
             dist.send(header, rank)
-            for tensor in tensors:
-                if tensor.numel():
-                    dist.send(_bytes(tensor, device), rank)
+        for tensor in (t for t in tensors if t.numel()):
+            raw = _bytes(tensor, device)   # once per tensor, whatever the receivers
+            for rank in needs:
+                dist.send(raw, rank)
         return state
     size = torch.empty(1, dtype=torch.int64, device=device)
     dist.recv(size, holder)
@@ -91,7 +92,7 @@ def _bytes(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _receive(spec: dict[str, Any], holder: int, device: torch.device) -> torch.Tensor:
-    dtype = getattr(torch, spec["dtype"])
+    dtype = getattr(torch, str(spec["dtype"]), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"the holder sent a tensor of unknown dtype {spec['dtype']!r}")
     shape = [int(n) for n in spec["shape"]]

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elasticd import proctree, warmstart
+from elasticd import proctree
 from elasticd.agent import (
     AgentProcess,
     RunFiles,
@@ -206,14 +206,24 @@ def test_a_ready_warm_server_forks_the_agent_with_its_credentials_on_stdin(tmp_p
     assert b"pa\"ss" not in environ
 
 
-def test_the_agent_starts_cold_unless_the_warm_server_is_ready(tmp_path, warm_host):
-    out, files = tmp_path / "record.json", RunFiles(tmp_path / "run")
-    warmstart.ready_path(warm_host.socket_path).unlink()   # as while it imports
-    agent = AgentProcess([sys.executable, "-m", "recorder_mod", str(out)],
-                         worker_env(CONFIG, files), files.agent_log, warm=warm_host)
-    agent.start()
-    assert not agent.started_warm and agent.proc.wait(30) == 0
-    assert json.loads(out.read_text())["fd0"] == "/dev/null"
+def test_the_agent_starts_cold_unless_the_warm_server_is_ready(tmp_path, monkeypatch):
+    (tmp_path / "recorder_mod.py").write_text(_RECORDER)
+    (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(60)\n")
+    monkeypatch.chdir(tmp_path)
+    host = WarmHost(sys.executable, tmp_path / "warm.sock", tmp_path / "warm.log")
+    host.imports = ("slow_import",)   # a server still importing (torch takes seconds)
+    host.start(dict(os.environ, PYTHONPATH=f"{tmp_path}:{Path(__file__).resolve().parents[2]}"))
+    try:
+        assert proctree.wait_for(lambda: host.socket_path.exists(), 30)
+        out, files = tmp_path / "record.json", RunFiles(tmp_path / "run")
+        agent = AgentProcess([sys.executable, "-m", "recorder_mod", str(out)],
+                             worker_env(CONFIG, files), files.agent_log, warm=host)
+        agent.start()
+        assert host.state() == "importing"
+        assert not agent.started_warm and agent.proc.wait(30) == 0
+        assert json.loads(out.read_text())["fd0"] == "/dev/null"
+    finally:
+        host.stop()
 
 
 # -- the parent-death signal ----------------------------------------------------------------
