@@ -26,6 +26,7 @@ import structlog
 
 from elasticd.etcd_client import EtcdClient, KeyValue, deadline, no_retry
 from elasticd.rendezvous import state_ops
+from elasticd.rendezvous.joins import count_joins
 from elasticd.rendezvous.keys import JobKeys
 from elasticd.rendezvous.rounds import Agent, World, decode_pointer
 from elasticd.rendezvous.state_ops import Removal, RoundView
@@ -155,7 +156,11 @@ def current_round(client: EtcdClient, keys: JobKeys) -> RoundView | None:
     members = world.members if world is not None else ()
     return RoundView(round_, world is not None, keys.rdzv_closed in found,
                      tuple((m.addr, m.pid) for m in members),
-                     client.count_prefix(keys.rdzv_joins(round_ + 1)), epoch)
+                     count_joins(client, keys, round_ + 1, _quiet, remove=False), epoch)
+
+
+def _quiet(kv: KeyValue, problem: str) -> None:
+    """A reader's view says nothing of the keys it does not count (the agents warn)."""
 
 
 def _round_of(kv: KeyValue, keys: JobKeys) -> int:

@@ -50,6 +50,7 @@ from elasticd.etcd_client import EtcdClient, KeyValue, no_retry
 from elasticd.lease import LeaseKeeper
 from elasticd.rendezvous import BACKEND_NAME, entering
 from elasticd.rendezvous.closed import closed_message
+from elasticd.rendezvous.joins import count_joins, read_joins
 from elasticd.rendezvous.keys import JobKeys
 from elasticd.rendezvous.leaving import LeavesOnExit, warn_giving_up
 from elasticd.rendezvous.rounds import (
@@ -197,7 +198,8 @@ class KeyedRendezvousHandler(LeavesOnExit, RendezvousHandler):
         following = self._keys.rdzv_joins(self.world.round + 1)
         try:
             with no_retry():
-                joins = self._client.count_prefix(following)
+                joins = count_joins(self._client, self._keys, self.world.round + 1,
+                                    self._warn_join)
                 live = len(names)
                 if joins and live >= self._rules.max_nodes:
                     # A full world turns newcomers away, unless members died since it formed
@@ -299,11 +301,15 @@ class KeyedRendezvousHandler(LeavesOnExit, RendezvousHandler):
             self._warn_once(pointer, str(exc))
             return None
 
-    def _warn_once(self, kv: KeyValue, problem: str) -> None:
+    def _warn_once(self, kv: KeyValue, problem: str,
+                   event: str = "stepping over a rendezvous record this plugin cannot read; "
+                                "the next round closes above it") -> None:
         if (kv.key, kv.mod_revision) not in self._warned:
             self._warned.add((kv.key, kv.mod_revision))
-            log.warning("stepping over a rendezvous record this plugin cannot read; the next "
-                        "round closes above it", key=kv.key, problem=problem[:600])
+            log.warning(event, key=kv.key, problem=problem[:600])
+
+    def _warn_join(self, kv: KeyValue, problem: str) -> None:
+        self._warn_once(kv, problem, "ignoring a join key that counts for no agent")
 
     def _put_alive(self, key: str, value: bytes) -> None:
         """Put ``key`` on the liveness lease; if that lease expired (this agent was starved
@@ -351,20 +357,32 @@ class KeyedRendezvousHandler(LeavesOnExit, RendezvousHandler):
             if mine not in found:
                 self._join(round_)       # our join is gone (lease lost, or evicted): again
                 continue
-            leader = self._etcd(lambda: self._client.first_created(self._keys.rdzv_joins(round_)))
-            if leader is not None and leader.key == mine:
+            if self._leads(round_):
                 fence = 0 if pointer is None else pointer.mod_revision
                 ready_since = self._lead(round_, previous, ready_since, fence)
             else:
                 self._etcd(lambda rev=revision: self._client.wait_for_change(world_key, rev,
                                                                             FOLLOWER_POLL_S))
 
+    def _leads(self, round_: int) -> bool:
+        """Whether this agent leads round ``round_``: its oldest join that counts
+        (``read_joins``). One read decides while the oldest key is a live agent's."""
+        prefix = self._keys.rdzv_joins(round_)
+        first = self._etcd(lambda: self._client.first_created(prefix))
+        if first is None or first.key == self._join_key(round_):
+            return first is not None
+        alive_key = self._keys.rdzv_alive + first.key.removeprefix(prefix)
+        if first.lease_id and self._etcd(lambda: self._client.get(alive_key)) is not None:
+            return False
+        joins, _ = self._etcd(lambda: read_joins(self._client, self._keys, round_, self._warn_join))
+        return bool(joins) and joins[0].agent == self.agent
+
     def _lead(self, round_: int, previous: World | None, ready_since: float | None,
               fence: int) -> float | None:
         """One decision as the round's leader: close it, or wait for news (bounded).
         ``fence``: the pointer's mod revision when this leader read it (0: absent)."""
-        kvs, revision = self._etcd(lambda: self._client.list_prefix(self._keys.rdzv_joins(round_)))
-        joined = tuple(j for j in map(_joined, kvs) if j is not None)
+        joined, revision = self._etcd(lambda: read_joins(self._client, self._keys, round_,
+                                                         self._warn_join))
         snapshot = Snapshot(round_, joined, previous, self._alive_among(previous, joined))
         decision = decide(snapshot, self._rules, ready_since, self._clock())
         if decision.close:
@@ -428,15 +446,3 @@ class _RoundPassed(Exception):
     def __init__(self, next_round: int) -> None:
         super().__init__(next_round)
         self.next_round = next_round
-
-
-def _joined(kv: KeyValue) -> Joined | None:
-    """A join key's agent; a value this plugin did not write is left out (and logged)."""
-    try:
-        return Joined(Agent.from_json(json.loads(kv.value)), kv.create_revision)
-    except (ValueError, TypeError) as exc:
-        log.warning("ignoring a malformed join key", key=kv.key, problem=str(exc),
-                    fix="delete the key")
-        return None
-
-

@@ -352,6 +352,47 @@ def test_a_member_that_rejoins_the_next_round_has_left_the_full_world(make, clie
     assert {i.world_size for i in infos} == {3} and members[0].world.round == 1
 
 
+def _stray_joins(client, keys: JobKeys, round_: int) -> dict[str, str]:
+    """Issue 27's finding 2, three ways: join keys no agent of the plugin wrote, under
+    ``round_``: on no lease, garbage on a lease, and a well-formed agent on a lease whose
+    liveness key does not exist."""
+    lease = client.grant_lease(60)
+    forged = {"leaseless": (b'["10.9.9.9", 1, 0]', None), "garbage": (b"\x80garbage", lease),
+              "10.9.9.8_2_0": (b'["10.9.9.8", 2, 0]', lease)}
+    for name, (value, on) in forged.items():
+        client.put(keys.rdzv_joins(round_) + name, value, on)
+    return {name: keys.rdzv_joins(round_) + name for name in forged}
+
+
+@pytest.mark.process
+def test_stray_join_keys_make_no_node_waiting_and_are_removed(make, client, job_id):
+    keys = JobKeys(job_id)
+    members = [make(i) for i in range(2)]
+    rendezvous_all(members)
+    strays = _stray_joins(client, keys, 1)
+    assert client.count_prefix(keys.rdzv_joins(1)) == 3
+    with capture_logs() as logs:
+        assert [m.num_nodes_waiting() for m in members] == [0, 0]
+    assert admin.current_round(client, keys).waiting == 0
+    # The two that no agent can have written are removed; the forged agent is not counted.
+    assert client.get(strays["leaseless"]) is None and client.get(strays["garbage"]) is None
+    assert client.get(strays["10.9.9.8_2_0"]) is not None
+    warned = {e["key"] for e in logs if e["event"] == "ignoring a join key that counts for no agent"}
+    assert warned == set(strays.values()), logs
+
+
+@pytest.mark.process
+def test_a_round_whose_oldest_join_keys_are_stray_still_closes(make, client, job_id):
+    # The stray keys are older than every agent's join: the oldest one was the round's
+    # "leader", and the round never closed (every daemon failed 5 join timeouts later).
+    keys = JobKeys(job_id)
+    _stray_joins(client, keys, 0)
+    handlers = [make(i, min_nodes=2, max_nodes=2, join_timeout="20") for i in range(2)]
+    infos = rendezvous_all(handlers)
+    assert {i.world_size for i in infos} == {2} and sorted(i.rank for i in infos) == [0, 1]
+    assert handlers[0].world.members == tuple(sorted(h.agent for h in handlers))
+
+
 def test_keyed_rounds_are_the_default_and_torchs_layout_stays_selectable():
     def rounds(**conf: str) -> str:
         params = RendezvousParameters("etcd3", "127.0.0.1:2379", "job-1", 1, 2, **conf)

@@ -1,0 +1,72 @@
+"""Issue 27's attacks, as a writer of the job's etcd prefix would make them, against a
+running job: real etcd, real daemons, real torchrun and gloo workers.
+
+Each must fail to steer the job: no foreign member, no node failed, no worker restarted
+for it, training goes on.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from elasticd.etcd_client import EtcdClient, EtcdSettings
+from elasticd.rendezvous import admin
+from elasticd.rendezvous.keys import JobKeys
+from tests.daemon_nodes import DaemonNode, log_lines, stepping_at, stop_nodes, wait_for
+
+
+@pytest.fixture
+def cluster(tmp_path, job_id, etcd_server):
+    nodes: list[DaemonNode] = []
+    client = EtcdClient(EtcdSettings(endpoints=(etcd_server.endpoint,)))
+    yield nodes, client
+    stop_nodes(nodes)
+    client.close()
+
+
+def _start(nodes: list[DaemonNode], names: str, etcd_server, job_id: str, tmp_path,
+           **config) -> list[DaemonNode]:
+    started = [DaemonNode(name, etcd_server.endpoint, job_id, tmp_path,
+                          {"min_nodes": 1, "max_nodes": 3, **config}).start() for name in names]
+    nodes.extend(started)
+    return started
+
+
+def _worker_pids(nodes: list[DaemonNode]) -> set[int]:
+    return {p.pid for node in nodes for p in node.workers()}
+
+
+@pytest.mark.slow
+def test_stray_join_keys_neither_restart_the_workers_nor_stop_the_next_round(
+        tmp_path, job_id, etcd_server, cluster):
+    # Finding 2: one key under rdzv/join/<next round>/ made both agents stop for a
+    # "waiting node"; the stray key was the next round's leader; it never closed and every
+    # daemon was FAILED 5 join timeouts later. The restart path, where every membership
+    # change goes through a rendezvous round.
+    nodes, client = cluster
+    keys = JobKeys(job_id)
+    a, b = _start(nodes, "ab", etcd_server, job_id, tmp_path, recovery="restart")
+    wait_for(lambda: stepping_at(nodes, 2, 0), 120, "world of 2", nodes)
+    round_ = admin.current_round(client, keys).round
+    workers = _worker_pids(nodes)
+    assert len(workers) == 2
+    lease = client.grant_lease(300)
+    following = keys.rdzv_joins(round_ + 1)
+    client.put(following + "stray", b"{}")                                   # on no lease
+    client.put(following + "10.9.9.8_2_0", b'["10.9.9.8", 2, 0]', lease)     # no liveness key
+    put_at = time.time()
+    wait_for(lambda: client.get(following + "stray") is None, 30, "the stray key removed", nodes)
+    wait_for(lambda: stepping_at(nodes, 2, put_at + 8), 60, "steps 8 s after the puts", nodes)
+    assert admin.current_round(client, keys).round == round_
+    assert _worker_pids(nodes) == workers, "a stray key restarted the workers"
+
+    # The forged join is now the oldest key of the next round: a real join still forms it.
+    joined_at = time.time()
+    _start(nodes, "c", etcd_server, job_id, tmp_path, recovery="restart")
+    wait_for(lambda: stepping_at(nodes, 3, joined_at), 120, "world of 3 with the newcomer", nodes)
+    assert admin.current_round(client, keys).round == round_ + 1
+    for node in nodes:
+        assert node.running(), node.log_tail()
+        assert not [e for e in log_lines(node) if "failed" in e.get("event", "")], node.log_tail()
