@@ -70,3 +70,25 @@ def test_stray_join_keys_neither_restart_the_workers_nor_stop_the_next_round(
     for node in nodes:
         assert node.running(), node.log_tail()
         assert not [e for e in log_lines(node) if "failed" in e.get("event", "")], node.log_tail()
+
+
+@pytest.mark.slow
+def test_a_corrupt_round_pointer_and_world_fail_no_node(tmp_path, job_id, etcd_server, cluster):
+    # Finding 3: the daemons tolerated a malformed rdzv/round, the agents raised
+    # CorruptRoundError at their next rendezvous and every daemon was FAILED within 25 s.
+    nodes, client = cluster
+    keys = JobKeys(job_id)
+    _start(nodes, "ab", etcd_server, job_id, tmp_path, recovery="restart")
+    wait_for(lambda: stepping_at(nodes, 2, 0), 120, "world of 2", nodes)
+    round_ = admin.current_round(client, keys).round
+    client.put(keys.rdzv_round, b"\x80not a pointer")
+    client.put(keys.rdzv_world(round_), b'{"round": "x"}')
+    joined_at = time.time()
+    _start(nodes, "c", etcd_server, job_id, tmp_path, recovery="restart")   # a next rendezvous
+    wait_for(lambda: stepping_at(nodes, 3, joined_at), 120, "world of 3 over the corrupt records",
+             nodes)
+    view = admin.current_round(client, keys)        # repaired: a good pointer above them
+    assert view.round > round_ and view.world_nodes == 3
+    for node in nodes:
+        assert node.running(), node.log_tail()
+        assert not [e for e in log_lines(node) if "failed" in e.get("event", "")], node.log_tail()
