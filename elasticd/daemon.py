@@ -60,6 +60,7 @@ from elasticd.etcd_client import EtcdClient, deadline
 from elasticd.inplace.agreement import ShrinkOutcome, drain_world, grow_world, shrink_world
 from elasticd.inplace.handover import hand_over
 from elasticd.inplace.store import StoreHost
+from elasticd.inplace.vetting import Roster, refusal
 from elasticd.journal import Journal
 from elasticd.membership import Membership
 from elasticd.metrics import Metrics
@@ -131,6 +132,7 @@ class Daemon:
         self._drained: ShrinkOutcome | None = None
         self._grown: ShrinkOutcome | None = None
         self.store_host = StoreHost(config.node.addr, config.recovery.store_port)
+        self._refused: generation.GenerationId | None = None   # the last record vetting refused
         self.warm_host = self.early.warm_host
         self._status_at = float("-inf")
         self._checkpoint_seen: tuple[int | None, float] = (None, clock())
@@ -289,7 +291,8 @@ class Daemon:
             node_id=self.node_id, generation=progress.generation,
             world=progress.world(self.node_id), reform=progress.reform, shrink=shrink,
             drained=drained, grown=grown,
-            generation_record=job.generation, **self._warm_server())
+            generation_record=self._vetted(job.generation, progress.generation),
+            **self._warm_server())
 
     def _warm_server(self) -> dict[str, Any]:
         host = self.warm_host
@@ -467,7 +470,7 @@ class Daemon:
         lost = action["lost"]
         out = self._agreement(lost, lambda: shrink_world(
             self.client, self.keys, self.node_id, lost, action["cause"], action["generation"],
-            self._world_views(action["peers"]), self._stores(), deadline_s=RDZV_EDIT_S,
+            self._world_views(action["peers"]), self._roster(), deadline_s=RDZV_EDIT_S,
             spares=action["spares"]))
         self._shrink = out
         if out.status == "failed":
@@ -485,7 +488,7 @@ class Daemon:
         agent out of every later round, so the others' agents see nobody waiting."""
         try:
             out = drain_world(self.client, self.keys, self.node_id, action["generation"],
-                              self._world_views(()), self._stores(), deadline_s=RDZV_EDIT_S)
+                              self._world_views(()), self._roster(), deadline_s=RDZV_EDIT_S)
         except EtcdError as exc:
             out = ShrinkOutcome((self.node_id,), "failed", reason=f"etcd did not answer: {exc}")
         if out.status == "ok":
@@ -511,7 +514,7 @@ class Daemon:
         others = dict(action["others"])   # warm newcomers of other nodes: one generation
         out = self._agreement((self.node_id, *others), lambda: grow_world(
             self.client, self.keys, self.node_id, nproc, action["live"], self._world_views(()),
-            self._stores(), deadline_s=RDZV_EDIT_S, others=others))
+            self._roster(), deadline_s=RDZV_EDIT_S, others=others))
         self._grown = out
         if out.status == "failed":
             return Outcome(f"no join in place: {out.reason}", _generation_fields(out), failed=True)
@@ -554,11 +557,37 @@ class Daemon:
             views[self.node_id] = mine
         return list(views.values())
 
-    def _stores(self) -> dict[str, str]:
-        stores = {n: p.store for n, p in self.membership.peers().items() if p.store}
+    def _roster(self) -> Roster:
+        """What the live nodes' records say of themselves, ours from the source (vetting)."""
+        peers = self.membership.peers()
+        stores = {n: p.store for n, p in peers.items() if p.store}
+        worlds = {n: p.world.generation for n, p in peers.items() if p.world is not None}
+        entering = {n: p.entering.live for n, p in peers.items() if p.entering is not None}
         if self.store_host.endpoint is not None:
             stores[self.node_id] = self.store_host.endpoint
-        return stores
+        mine = self.progress.progress.world(self.node_id)
+        if mine is not None:
+            worlds[self.node_id] = mine.generation
+        if self.memory.life.joining is not None:
+            entering[self.node_id] = self.memory.life.joining
+        return Roster(stores, worlds, entering)
+
+    def _vetted(self, record: generation.GenerationRecord | None,
+                workers: generation.GenerationId | None) -> generation.GenerationRecord | None:
+        """The agreed record, unless it is newer than our workers' and the nodes' records
+        do not bear it out (``vetting``): then no decision sees it (said once per record)."""
+        if record is None or workers is None or not record.id.newer_than(workers):
+            return record
+        why = refusal(record, self._roster())
+        if why is None:
+            return record
+        if record.id != self._refused:
+            self._refused = record.id
+            self.log.warning("not handing our workers an agreed generation that the nodes' "
+                             "records do not bear out", generation=str(record.id), problem=why,
+                             fix="if no daemon wrote it, see docs/security.md (who can write "
+                                 "the job's etcd prefix)")
+        return None
 
     def _release_exit_barrier(self, record: generation.GenerationRecord) -> bool:
         """Whether the old round's exit barrier was released."""

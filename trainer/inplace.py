@@ -32,7 +32,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import Any
 
@@ -330,12 +330,17 @@ def await_members(store: Any, world_size: int, what: str, deadline: float,
         time.sleep(POLL_S)
 
 
-def newest_state(step: int, device: torch.device) -> tuple[int, int, list[int]]:
-    """(newest step, lowest rank holding it, every rank's step) over the new group."""
+def newest_state(step: int, device: torch.device,
+                 stateless: Collection[int] = ()) -> tuple[int, int, list[int]]:
+    """(newest step, lowest rank holding it, every rank's step) over the new group.
+
+    ``stateless``: ranks whose claim is not taken (the record's joined members: every
+    member masks them alike, so a newcomer, or a process posing as one, that claims a
+    newer step than the members' is sent the state instead of sending its own)."""
     steps = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)
     steps[dist.get_rank()] = step
     dist.all_reduce(steps)
-    every = [int(s) for s in steps.tolist()]
+    every = [-1 if r in stateless else int(s) for r, s in enumerate(steps.tolist())]
     newest = max(every)
     return newest, every.index(newest), every
 

@@ -192,7 +192,7 @@ class InPlace:
                             "waiting for the next generation", error=str(exc)[:300])
                 record = watch.wait(deadline)
                 rank = self._rank_in(record)
-        inplace.bounded(self._sync_state, left(), "agreeing on the newest state")
+        inplace.bounded(lambda: self._sync_state(record), left(), "agreeing on the newest state")
         if es.state.step > es.reported_step:
             # A step whose all-reduce completed here (or on the holder) but whose boundary
             # collective did not: it was a step of the old world, and its record says so.
@@ -208,9 +208,9 @@ class InPlace:
     def _adopt(self, record: GenerationRecord, rank: int) -> None:
         adopt(self.es, record, rank, self.on_world)
 
-    def _sync_state(self) -> None:
+    def _sync_state(self, record: GenerationRecord) -> None:
         """Every member continues from the newest completed step (see trainer.inplace)."""
-        hand_over(self.es.state, self.es.device)
+        hand_over(self.es.state, self.es.device, record)
 
 
 def rank_in(ctx: ElasticContext, record: GenerationRecord) -> int:
@@ -265,7 +265,7 @@ def enter_live(es: ElasticState, backend: str = "auto", timeout: timedelta = tdi
         started = time.monotonic()  # the members' wait starts with the record, so does ours
         deadline = started + ctx.recovery_bound_s
         record, mechanism = _enter(ctx, record, backend, device, timeout, deadline)
-        step = inplace.bounded(lambda: hand_over(es.state, device, newcomer=True),
+        step = inplace.bounded(lambda: hand_over(es.state, device, record, newcomer=True),
                                deadline - time.monotonic(), "receiving the newest state")
     except (inplace.ReformError, torch.distributed.DistError) as exc:
         raise tdist.CollectiveError(f"could not enter the live group as a newcomer: {exc}") from exc
@@ -311,13 +311,16 @@ def _enter(ctx: ElasticContext, record: GenerationRecord, backend: str, device: 
             record = exc.record
 
 
-def hand_over(st: TrainState, device: torch.device, newcomer: bool = False) -> int:
+def hand_over(st: TrainState, device: torch.device, record: GenerationRecord,
+              newcomer: bool = False) -> int:
     """Every member of the new group continues from the newest completed step: the lowest
     rank holding it sends its whole training state (model, optimizer, sampler, LR scale,
     scheduler, scaler, RNG, extras: ``TrainState.to_checkpoint``) to the members that do
-    not hold it; a ``newcomer`` holds none. Members at that step already keep theirs (DDP
-    made them identical). Returns the step."""
-    newest, holder, every = inplace.newest_state(-1 if newcomer else st.step, device)
+    not hold it; a ``newcomer`` holds none, and no state is taken from ``record``'s joined
+    ranks, whatever they claim. Members at that step already keep theirs (DDP made them
+    identical). Returns the step."""
+    newest, holder, every = inplace.newest_state(-1 if newcomer else st.step, device,
+                                                 record.joined_ranks)
     needs = [r for r, step in enumerate(every) if step != newest]
     rank = torch.distributed.get_rank()  # in the new group (the context follows)
     if rank == holder and needs:

@@ -150,6 +150,13 @@ class GenerationRecord:
         return m.first_rank + local_rank
 
     @property
+    def joined_ranks(self) -> frozenset[int]:
+        """The global ranks of the members new in this generation: they hold no state of
+        the job's, so no member takes one from them (``trainer.recover.hand_over``)."""
+        return frozenset(r for m in self.members if m.node in self.joined
+                         for r in range(m.first_rank, m.first_rank + m.nproc))
+
+    @property
     def store_prefix(self) -> str:
         """The key prefix this generation's group forms under (one per generation)."""
         return self.id.store_prefix

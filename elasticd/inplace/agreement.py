@@ -29,6 +29,7 @@ from elasticd.contract.generation import (
     shrink,
 )
 from elasticd.etcd_client import EtcdClient, KeyValue, no_retry
+from elasticd.inplace.vetting import Roster, refusal
 from elasticd.rendezvous.keys import JobKeys
 
 log = structlog.get_logger(__name__)
@@ -54,7 +55,7 @@ class ShrinkOutcome:
 
 def shrink_world(client: EtcdClient, keys: JobKeys, node_id: str, lost: Iterable[str],
                  cause: str, workers: GenerationId, views: Iterable[WorldView],
-                 stores: Mapping[str, str], deadline_s: float = 1.0,
+                 roster: Roster, deadline_s: float = 1.0,
                  spares: Iterable[tuple[str, int]] = ()) -> ShrinkOutcome:
     """Agree the generation after ``workers`` (our workers' generation) without ``lost``,
     and with the warm ``spares`` (``(node, nproc)``) in their places.
@@ -62,11 +63,14 @@ def shrink_world(client: EtcdClient, keys: JobKeys, node_id: str, lost: Iterable
     The base is the agreed record when it is of our workers' round and not older, else
     the world the nodes' records report (ours, the peers', the dead peers' last ones).
     A lost compare-and-set re-reads: a winner that already leaves the lost nodes out
-    is adopted, anything else is the next base. ``deadline_s`` bounds the races (every
-    call fails fast: an outage raises ``EtcdError`` for the caller's fallback).
+    is adopted, anything else is the next base; a newer record that the nodes' own
+    records (``roster``: theirs as this reader saw them, ours included) do not bear out
+    is neither (``vetting``): no in-place change then. ``deadline_s`` bounds the races
+    (every call fails fast: an outage raises ``EtcdError`` for the caller's fallback).
     """
     lost, spares = tuple(sorted(set(lost))), tuple(spares)
-    out = _agree(client, keys, workers, views, deadline_s,
+    stores = roster.stores
+    out = _agree(client, keys, workers, views, roster, deadline_s,
                  make=lambda base: shrink(base, lost, stores, cause, created=time.time(),
                                           spares=spares),
                  settled=lambda base: not set(lost) & set(base.nodes))
@@ -78,7 +82,7 @@ def shrink_world(client: EtcdClient, keys: JobKeys, node_id: str, lost: Iterable
 
 
 def drain_world(client: EtcdClient, keys: JobKeys, node_id: str, workers: GenerationId,
-                views: Iterable[WorldView], stores: Mapping[str, str],
+                views: Iterable[WorldView], roster: Roster,
                 deadline_s: float = 1.0) -> ShrinkOutcome:
     """Agree the planned generation after ``workers`` without this draining node.
 
@@ -88,8 +92,8 @@ def drain_world(client: EtcdClient, keys: JobKeys, node_id: str, workers: Genera
     workers' world is already agreed, no survivor, no store; ``reason``): the caller
     drains by the restart path. Same bounds as ``shrink_world``.
     """
-    me = (node_id,)
-    out = _agree(client, keys, workers, views, deadline_s,
+    me, stores = (node_id,), roster.stores
+    out = _agree(client, keys, workers, views, roster, deadline_s,
                  # Only from our workers' own world: a change of it agreed first is theirs
                  # to take before anyone can leave it.
                  make=lambda base: (generation.drain(base, me, stores, created=time.time())
@@ -105,7 +109,7 @@ def drain_world(client: EtcdClient, keys: JobKeys, node_id: str, workers: Genera
 
 
 def grow_world(client: EtcdClient, keys: JobKeys, node_id: str, nproc: int, live: GenerationId,
-               views: Iterable[WorldView], stores: Mapping[str, str],
+               views: Iterable[WorldView], roster: Roster,
                deadline_s: float = 1.0, others: Mapping[str, int] | None = None) -> ShrinkOutcome:
     """Agree the planned generation after ``live`` (the members' world, which this node's
     warm newcomers wait to enter) with this node and its ``nproc`` workers after the
@@ -123,13 +127,13 @@ def grow_world(client: EtcdClient, keys: JobKeys, node_id: str, nproc: int, live
     def make(base: GenerationRecord) -> GenerationRecord | None:
         # Only from the world our newcomers were started for: a change of it agreed
         # first (a loss, another join) is the members' to take before ours.
-        store = stores.get(base.members[0].node) or base.store
+        store = roster.stores.get(base.members[0].node)
         if base.id != live or store is None:
             return None
         joiners = sorted({**(others or {}), node_id: nproc}.items())   # grow skips members
         return generation.grow(base, joiners, store, created=time.time())
 
-    out = _agree(client, keys, live, views, deadline_s, make=make,
+    out = _agree(client, keys, live, views, roster, deadline_s, make=make,
                  settled=lambda base: node_id in base.joined)
     if isinstance(out, str):
         return ShrinkOutcome(me, "failed", reason=out)
@@ -153,17 +157,25 @@ class _Agreed:
 
 
 def _agree(client: EtcdClient, keys: JobKeys, workers: GenerationId, views: Iterable[WorldView],
-           deadline_s: float, make: Callable[[GenerationRecord], GenerationRecord | None],
+           roster: Roster, deadline_s: float,
+           make: Callable[[GenerationRecord], GenerationRecord | None],
            settled: Callable[[GenerationRecord], bool]) -> _Agreed | str:
-    """The one compare-and-set loop both agreements run: the record newer than ``workers``
+    """The one compare-and-set loop every agreement runs: the record newer than ``workers``
     that ``settled`` accepts, once agreed (another writer's: ``ADOPTED``; ours: ``WROTE``),
-    the base when ``make`` has no next generation of it (``NO_NEXT``), or why neither (text)."""
+    the base when ``make`` has no next generation of it (``NO_NEXT``), or why neither
+    (text; among them a newer record that ``roster`` does not bear out: it is not
+    overwritten, for it may be a true one this reader's view lags behind)."""
     views = list(views)
     end = time.monotonic() + deadline_s
     with no_retry():
         while True:
             kv = client.get(keys.generation)
-            base = base_of(_parse(kv), views, workers)
+            agreed = _parse(kv)
+            if agreed is not None and agreed.id.newer_than(workers):
+                why = refusal(agreed, roster)
+                if why is not None:
+                    return f"the agreed generation {agreed.id} is refused: {why}"
+            base = base_of(agreed, views, workers)
             if base is None:
                 return f"the nodes' records do not cover generation {workers}'s world"
             if base.id.newer_than(workers) and settled(base):

@@ -75,6 +75,7 @@ from elasticd.inplace.agreement import shrink_world
 from elasticd.inplace.handover import hand_over
 from elasticd.inplace.loss import Loss
 from elasticd.inplace.store import StoreHost
+from elasticd.inplace.vetting import Roster, refusal
 from elasticd.lease import LeaseKeeper
 from elasticd.probe import Liveness, ProbeServer, probe, ring_successors
 from elasticd.rendezvous import admin
@@ -187,6 +188,15 @@ def probe_targets(me: str, known: Iterable[str], present: Iterable[str],
     return sorted(set(ring) | (known & present & set(suspected)) | (known - present))
 
 
+def roster_of(mine: PeerRecord, known: Mapping[str, PeerRecord], present: Iterable[str]) -> Roster:
+    """What the round's live records say of their nodes, ours as we hold it (``vetting``).
+    Plain torchrun joins no newcomer in place: nobody is entering."""
+    records = {n: known[n] for n in present if n in known}
+    records[mine.node] = mine
+    return Roster({n: r.store for n, r in records.items() if r.store},
+                  {n: r.world.generation for n, r in records.items() if r.world is not None})
+
+
 def workers_generation(reported: GenerationId | None,
                        adopted: GenerationRecord | None) -> GenerationId | None:
     """Our workers' generation: the newer of what they report and what we handed them."""
@@ -236,7 +246,8 @@ def plan(me: str, seen: Seen, mine: PeerRecord, published: PeerRecord | None,
     world = None if adopted is None else adopted.nodes
     base = workers_generation(new.world.generation if new.world is not None else None, adopted)
     agreed = seen.agreed
-    if agreed is not None and base is not None and agreed.id.newer_than(base):
+    if (agreed is not None and base is not None and agreed.id.newer_than(base)
+            and refusal(agreed, roster_of(new, seen.known, seen.present)) is None):
         actions.append(act(Kind.WRITE_GENERATION, record=agreed))
         world = agreed.nodes
         for node in agreed.lost:               # settled: no longer ours to judge
@@ -547,10 +558,10 @@ class _Round:
             self._failed(loss, "our workers have not reported their generation yet")
             return
         views = [r.world for r in self.known.values() if r.world is not None]
-        stores = {n: r.store for n, r in self.known.items() if r.store}
+        roster = roster_of(self.mine, self.known, self.present)
         with deadline(SHRINK_BUDGET_S + ETCD_DEADLINE_S):
             out = shrink_world(self.owner._client, self.owner._keys, self.me, loss.lost,
-                               loss.cause, workers, views, stores, deadline_s=SHRINK_BUDGET_S)
+                               loss.cause, workers, views, roster, deadline_s=SHRINK_BUDGET_S)
         if out.status in ("ok", "fenced") and out.record is not None:
             self._hand_over(out.record)
             if out.wrote:

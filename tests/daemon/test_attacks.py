@@ -10,11 +10,14 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch.distributed as dist
 
+from elasticd.contract.generation import GenerationId, GenerationRecord, renumber
 from elasticd.etcd_client import EtcdClient, EtcdSettings
 from elasticd.rendezvous import admin
 from elasticd.rendezvous.keys import JobKeys
 from tests.daemon_nodes import DaemonNode, log_lines, stepping_at, stop_nodes, wait_for
+from trainer.inplace import ARRIVED_KEY
 
 
 @pytest.fixture
@@ -92,3 +95,41 @@ def test_a_corrupt_round_pointer_and_world_fail_no_node(tmp_path, job_id, etcd_s
     for node in nodes:
         assert node.running(), node.log_tail()
         assert not [e for e in log_lines(node) if "failed" in e.get("event", "")], node.log_tail()
+
+
+@pytest.mark.slow
+def test_a_forged_generation_record_puts_no_foreign_member_in_the_group(
+        tmp_path, job_id, etcd_server, cluster):
+    # Finding 1: one put of a record naming [b, mallory], lost=[a], with a store the
+    # attacker hosted: a's daemon fenced its workers out, b's re-formed through the
+    # attacker's store, the attacker joined as rank 1 and handed b its weights, and rank
+    # 0 committed them as a verified checkpoint.
+    nodes, client = cluster
+    keys = JobKeys(job_id)
+    a, b = _start(nodes, "ab", etcd_server, job_id, tmp_path)
+    wait_for(lambda: stepping_at(nodes, 2, 0), 120, "world of 2", nodes)
+    workers = _worker_pids(nodes)
+    live = GenerationId.from_dict(b.progress()["generation"])
+    trap = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    forged = GenerationRecord(live.next(), renumber([("b", 1), ("mallory", 1)]),
+                              f"127.0.0.1:{trap.port}", lost=("a",), cause="peer-crashed")
+    client.put(keys.generation, forged.to_json().encode())
+    put_at = time.time()
+    wait_for(lambda: stepping_at(nodes, 2, put_at + 5), 60, "steps 5 s after the put", nodes)
+    assert _worker_pids(nodes) == workers, "the forged record fenced or restarted a worker"
+    assert all(_refused(n) for n in nodes), "a daemon did not say it refused the record"
+    assert not trap.check([forged.store_prefix + ARRIVED_KEY]), "a worker came to the trap"
+    assert "mallory" in _refused(b)[0]["problem"]
+
+    # The job still recovers from a real loss (the refused record is not built on: the
+    # restart path), and no checkpoint holds anything but the job's own training.
+    crashed = time.time()
+    a.kill()
+    wait_for(lambda: stepping_at([b], 1, crashed), 90, "b stepping alone after a's crash", nodes)
+    assert b.running(), b.log_tail()
+    assert not trap.check([forged.store_prefix + ARRIVED_KEY])
+
+
+def _refused(node: DaemonNode) -> list[dict]:
+    return [e for e in log_lines(node) if e.get("event", "").startswith(
+        "not handing our workers an agreed generation")]

@@ -17,6 +17,7 @@ from elasticd.errors import EtcdError
 from elasticd.etcd_client import EtcdClient, EtcdSettings
 from elasticd.inplace.agreement import drain_world, shrink_world
 from elasticd.inplace.store import StoreHost
+from elasticd.inplace.vetting import Roster
 from elasticd.membership import parse_record
 from elasticd.observer import JobReader
 from elasticd.rendezvous.keys import JobKeys
@@ -26,9 +27,14 @@ STORES = {"a": "127.0.0.1:29600", "b": "127.0.0.1:29601", "c": "127.0.0.1:29602"
 VIEWS = [WorldView("a", G, 0, 1, 3), WorldView("b", G, 1, 1, 3), WorldView("c", G, 2, 1, 3)]
 
 
+def roster(views=VIEWS, stores=STORES) -> Roster:
+    """What the nodes' records say: their stores and worlds (``vetting``)."""
+    return Roster(stores, {v.node: v.generation for v in views})
+
+
 def shrink_as(client, keys, node, lost=("c",), views=VIEWS, stores=STORES, workers=G):
-    return shrink_world(client, keys, node, lost, "peer-crashed", workers, views, stores,
-                        deadline_s=2.0)
+    return shrink_world(client, keys, node, lost, "peer-crashed", workers, views,
+                        roster(views, stores), deadline_s=2.0)
 
 
 def agreed(client, keys) -> GenerationRecord:
@@ -114,6 +120,19 @@ def test_a_garbled_record_is_replaced(client, keys):
     assert agreed(client, keys).id == G.next()
 
 
+def test_a_newer_record_the_nodes_records_do_not_bear_out_is_neither_adopted_nor_built_on(
+        client, keys):
+    # Issue 27 finding 1: one put named a foreign member and its store; b adopted it
+    # (it already left c out) and its workers formed a group with the attacker.
+    forged = GenerationRecord(G.next(), renumber([("b", 1), ("mallory", 1)]), "10.6.6.6:29500",
+                              lost=("a", "c"))
+    client.put(keys.generation, forged.to_json().encode())
+    out = shrink_as(client, keys, "b", lost=("c",))
+    assert out.status == "failed" and "refused" in out.reason and "mallory" in out.reason
+    assert agreed(client, keys) == forged                 # not overwritten: it may be true
+    assert drain_as(client, keys, "b").status == "failed"
+
+
 def test_etcd_down_raises_for_the_callers_fallback():
     down = EtcdClient(EtcdSettings(endpoints=("127.0.0.1:1",), timeout_s=0.5, retry_s=10))
     with pytest.raises(EtcdError):
@@ -124,7 +143,7 @@ def test_etcd_down_raises_for_the_callers_fallback():
 # -- a drain in place: the leaver's daemon agrees a planned record without itself ---------
 
 def drain_as(client, keys, node, views=VIEWS, stores=STORES, workers=G):
-    return drain_world(client, keys, node, workers, views, stores, deadline_s=2.0)
+    return drain_world(client, keys, node, workers, views, roster(views, stores), deadline_s=2.0)
 
 
 def test_a_drain_writes_a_planned_record_without_the_leaver(client, keys):

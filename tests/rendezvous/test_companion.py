@@ -169,7 +169,7 @@ def test_plan_publishes_suspicions_and_evicts_only_on_the_majoritys_verdict():
 def test_plan_hands_over_a_newer_record_another_survivor_agreed_and_judges_past_it():
     known = _known("a", "b", "c")
     mine = known["a"]
-    agreed = GenerationRecord(GEN.next(), renumber([("a", 1), ("b", 1)]), "127.0.0.1:1",
+    agreed = GenerationRecord(GEN.next(), renumber([("a", 1), ("b", 1)]), mine.store,
                               lost=("c",), cause="peer-crashed")
     out = plan("a", _seen(known, {"a", "b"}, {"c": Liveness.REFUSED}, agreed=agreed), mine,
                mine, None, Judgement(), 5.0)
@@ -180,6 +180,21 @@ def test_plan_hands_over_a_newer_record_another_survivor_agreed_and_judges_past_
     again = plan("a", _seen(known, {"a", "b"}, {}, agreed=agreed), mine, mine, agreed,
                  Judgement(), 5.0)
     assert again.actions == ()
+
+
+def test_plan_hands_over_no_record_the_rounds_records_do_not_bear_out():
+    # Issue 27 finding 1: a record naming a foreign member, or a store that rank 0's
+    # companion does not publish, is never handed to the workers (nor shrinks judged past).
+    known = _known("a", "b", "c")
+    mine = known["a"]
+    forged = [GenerationRecord(GEN.next(), renumber([("a", 1), ("mallory", 1)]), mine.store,
+                               lost=("b", "c")),
+              GenerationRecord(GEN.next(), renumber([("a", 1), ("b", 1)]), "10.6.6.6:29500",
+                               lost=("c",))]
+    for agreed in forged:
+        out = plan("a", _seen(known, {"a", "b", "c"}, {}, agreed=agreed), mine, mine, None,
+                   Judgement(), 5.0)
+        assert Kind.WRITE_GENERATION not in [a.kind for a in out.actions], agreed
 
 
 def test_workers_generation_is_the_newer_of_reported_and_handed_over():

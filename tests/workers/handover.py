@@ -1,9 +1,11 @@
 """Two ranks whose states differ by one step meet in a new group: the holder's state wins.
 
-Run as ``python handover.py OUT`` with RANK/WORLD_SIZE/MASTER_* set: both ranks build the
-MLP trainer and its group; rank 1 then takes one optimizer step alone (what a survivor
-whose all-reduce completed does while the other's failed); both run the trainer's
-hand-over and write what they hold to ``OUT.<rank>.json``.
+Run as ``python handover.py OUT [joined]`` with RANK/WORLD_SIZE/MASTER_* set: both ranks
+build the MLP trainer and its group; rank 1 then takes one optimizer step alone (what a
+survivor whose all-reduce completed does while the other's failed); both run the
+trainer's hand-over and write what they hold to ``OUT.<rank>.json``. With ``joined``, the
+record names rank 1's node among the joined: its newer claim must not be taken (a process
+posing as a newcomer, issue 27), and rank 0's state wins.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 
 import torch
 
+from elasticd.contract.generation import GenerationId, GenerationRecord, renumber
 from trainer import dist as tdist
 from trainer.context import ElasticContext
 from trainer.examples import mlp
@@ -21,7 +24,7 @@ from trainer.exitcodes import exit_worker
 from trainer.loop import ElasticTrainer, TrainConfig
 
 
-def main(out: str) -> int:
+def main(out: str, joined: bool) -> int:
     ctx = ElasticContext.from_env()
     torch.manual_seed(0)
     x, y = mlp.make_data(64, 1, torch.float64)
@@ -39,7 +42,9 @@ def main(out: str) -> int:
         st.sampler.advance(len(idx))
         st.step += 1
         st.lrs_used = [0.05]
-    trainer.recovery._sync_state()
+    record = GenerationRecord(GenerationId(0, 1), renumber([("n0", 1), ("n1", 1)]),
+                              "127.0.0.1:1", planned=True, joined=("n1",) if joined else ())
+    trainer.recovery._sync_state(record)
     digest = hashlib.sha256()
     for t in [*model.state_dict().values(), *[v for s in opt.state.values() for v in s.values()
                                              if isinstance(v, torch.Tensor)]]:
@@ -52,4 +57,4 @@ def main(out: str) -> int:
 
 
 if __name__ == "__main__":
-    exit_worker(main(sys.argv[1]))
+    exit_worker(main(sys.argv[1], sys.argv[2:] == ["joined"]))
