@@ -155,6 +155,7 @@ def worker_settings(config: Config, files: RunFiles) -> WorkerSettings:
         recovery_bound_s=config.recovery.bound_s,
         reform=config.recovery.reform,
         generation_file=str(files.generation),
+        secret_file=config.recovery.secret_file or None,
         nonfinite_loss_limit=config.supervisor.nonfinite_loss_limit,
     )
 

@@ -270,10 +270,17 @@ class RecoveryConfig:
     # the members' workers (supervisor.joining); false: a join is a torchrun round, which
     # restarts every worker (on GPUs: CUDA, NCCL, compile and a checkpoint load each time).
     join_in_place: bool = True
+    # The job's secret (elasticd.contract.secret): every member of an in-place group proves
+    # it before any state is taken from it. "": groups form unauthenticated. The daemon
+    # checks the file at its start (``Daemon.start``), not every reader of the config.
+    secret_file: str = ""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.join_in_place, bool), "recovery.join_in_place",
                  self.join_in_place, "use true or false")
+        _require(isinstance(self.secret_file, str), "recovery.secret_file", self.secret_file,
+                 "use the path of the job's secret file, or leave it out")
+
         _require(self.mode in RECOVERY_MODES, "recovery.mode", self.mode,
                  f"use one of {', '.join(repr(m) for m in RECOVERY_MODES)}")
         object.__setattr__(self, "mode", RecoveryMode(self.mode))

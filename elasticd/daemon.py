@@ -54,8 +54,9 @@ from elasticd.agent import (
 from elasticd.config import RELOADABLE, Config, load_config
 from elasticd.contract import generation
 from elasticd.contract.progress import ProgressReader
+from elasticd.contract.secret import SecretError, read_secret
 from elasticd.contract.settings import IN_PLACE
-from elasticd.errors import ElasticdError, EtcdError
+from elasticd.errors import ConfigError, ElasticdError, EtcdError
 from elasticd.etcd_client import EtcdClient, deadline
 from elasticd.inplace.agreement import ShrinkOutcome, drain_world, grow_world, shrink_world
 from elasticd.inplace.handover import hand_over
@@ -141,9 +142,24 @@ class Daemon:
 
     # -- life cycle --------------------------------------------------------------------
 
+    def _check_secret(self) -> None:
+        """The job's secret file must be usable before any worker is handed its path; without
+        one, say once what the groups then rest on."""
+        path = self.config.recovery.secret_file
+        if not path:
+            self.log.info("in-place groups form unauthenticated (no [recovery] secret_file): "
+                          "the recovery store's port must be reachable by the job's nodes only",
+                          fix="docs/security.md: the job's secret")
+            return
+        try:
+            read_secret(path)
+        except SecretError as exc:
+            raise ConfigError(f"[recovery] secret_file: {exc}") from None
+
     def run(self) -> int:
         """Run until the job completes, the node fails, or a drain finishes; the exit code."""
         check_torch_apis()
+        self._check_secret()
         proctree.become_subreaper()
         self._install_signals()
         self._connect()
@@ -546,6 +562,7 @@ class Daemon:
         except OSError as exc:
             return dataclasses.replace(out, status="failed",
                                        reason=f"the generation file was not written: {exc}")
+        self.store_host.prune(out.record.id)
         return out
 
     def _world_views(self, dead: tuple) -> list[generation.WorldView]:
@@ -600,6 +617,7 @@ class Daemon:
 
     def _write_generation(self, action: Action) -> None:
         hand_over(str(self.files.generation), action["record"])
+        self.store_host.prune(action["record"].id)
 
     def _reopen_rendezvous(self, action: Action) -> Outcome:
         reopened = admin.reopen_if_closed(self.client, self.keys, deadline_s=RDZV_EDIT_S)

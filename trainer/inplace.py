@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from elasticd.contract.generation import GenerationId, GenerationRecord, GenerationRecordError, read_file
+from elasticd.contract.secret import proof
 from trainer.errors import TrainerError
 
 log = structlog.get_logger(__name__)
@@ -328,6 +329,28 @@ def await_members(store: Any, world_size: int, what: str, deadline: float,
             raise ReformError(f"{arrived} of the {world_size} members of {what} arrived "
                               "within the bound")
         time.sleep(POLL_S)
+
+
+def vouch(record: GenerationRecord, secret: bytes | None, device: torch.device) -> None:
+    """Every member of the group just formed proves it knows the job's secret
+    (``elasticd.contract.secret``), before any state moves; ``ReformError`` names the ranks
+    that did not (the restart path). Nothing to prove without a secret."""
+    if secret is None:
+        return
+    world, gen = dist.get_world_size(), str(record.id)
+    expected = [proof(secret, gen, record.store, r, _node_of(record, r)) for r in range(world)]
+    mine = torch.tensor(list(expected[dist.get_rank()]), dtype=torch.uint8, device=device)
+    shown = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(shown, mine)
+    wrong = [r for r, got in enumerate(shown) if bytes(got.cpu().tolist()) != expected[r]]
+    if wrong:
+        raise ReformError(f"rank(s) {wrong} of generation {record.id} did not prove the job's "
+                          "secret: not this job's workers (or another secret file); the group "
+                          "is not used")
+
+
+def _node_of(record: GenerationRecord, rank: int) -> str:
+    return next(m.node for m in record.members if m.first_rank <= rank < m.first_rank + m.nproc)
 
 
 def newest_state(step: int, device: torch.device,

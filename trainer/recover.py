@@ -16,6 +16,7 @@ watch, group join, state hand-over) are ``trainer.inplace``'s.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import math
 import os
@@ -29,6 +30,7 @@ import torch
 
 from checkpointing.errors import StaleGenerationError
 from elasticd.contract.generation import GenerationId, GenerationRecord
+from elasticd.contract.secret import SecretError, read_secret
 from trainer import dist as tdist
 from trainer import inplace, reform, transfer
 from trainer.errors import ConfigError
@@ -210,7 +212,18 @@ class InPlace:
 
     def _sync_state(self, record: GenerationRecord) -> None:
         """Every member continues from the newest completed step (see trainer.inplace)."""
-        hand_over(self.es.state, self.es.device, record)
+        hand_over(self.es.state, self.es.device, record, secret_file=self.es.ctx.secret_file)
+
+
+@functools.cache
+def job_secret(path: str | None) -> bytes | None:
+    """The job's secret, read once per process (``ReformError`` if it cannot be used)."""
+    if path is None:
+        return None
+    try:
+        return read_secret(path)
+    except SecretError as exc:
+        raise inplace.ReformError(str(exc)) from None
 
 
 def rank_in(ctx: ElasticContext, record: GenerationRecord) -> int:
@@ -265,7 +278,8 @@ def enter_live(es: ElasticState, backend: str = "auto", timeout: timedelta = tdi
         started = time.monotonic()  # the members' wait starts with the record, so does ours
         deadline = started + ctx.recovery_bound_s
         record, mechanism = _enter(ctx, record, backend, device, timeout, deadline)
-        step = inplace.bounded(lambda: hand_over(es.state, device, record, newcomer=True),
+        step = inplace.bounded(lambda: hand_over(es.state, device, record, newcomer=True,
+                                                 secret_file=ctx.secret_file),
                                deadline - time.monotonic(), "receiving the newest state")
     except (inplace.ReformError, torch.distributed.DistError) as exc:
         raise tdist.CollectiveError(f"could not enter the live group as a newcomer: {exc}") from exc
@@ -312,13 +326,16 @@ def _enter(ctx: ElasticContext, record: GenerationRecord, backend: str, device: 
 
 
 def hand_over(st: TrainState, device: torch.device, record: GenerationRecord,
-              newcomer: bool = False) -> int:
-    """Every member of the new group continues from the newest completed step: the lowest
+              newcomer: bool = False, secret_file: str | None = None) -> int:
+    """Every member of the new group first proves it knows the job's secret (if the job
+    has one: ``secret_file``; ``inplace.vouch``), then continues from the newest completed
+    step: the lowest
     rank holding it sends its whole training state (model, optimizer, sampler, LR scale,
     scheduler, scaler, RNG, extras: ``TrainState.to_checkpoint``) to the members that do
     not hold it; a ``newcomer`` holds none, and no state is taken from ``record``'s joined
     ranks, whatever they claim. Members at that step already keep theirs (DDP made them
     identical). Returns the step."""
+    inplace.vouch(record, job_secret(secret_file), device)
     newest, holder, every = inplace.newest_state(-1 if newcomer else st.step, device,
                                                  record.joined_ranks)
     needs = [r for r, step in enumerate(every) if step != newest]

@@ -178,6 +178,10 @@ class WorkerSettings:
     generation_file: str | None = setting(
         str, "the generation record for these workers (in-place re-forms; the daemon's, or the "
         "etcd3 plugin's with recovery=in-place)")
+    secret_file: str | None = setting(
+        str, "the job's secret (the same file on every node, mode 600): every member of an "
+        "in-place group proves it knows it before any state is taken from it "
+        "(elasticd.contract.secret); unset: groups form unauthenticated")
     joining: int = setting(
         int, "1: this worker enters a live group in place (a newcomer: the generation file's "
         "next record names its node among the joined; no checkpoint is read, the newest state "

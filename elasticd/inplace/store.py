@@ -11,6 +11,8 @@ from datetime import timedelta
 
 import structlog
 
+from elasticd.contract.generation import GenerationId
+
 log = structlog.get_logger(__name__)
 
 
@@ -39,6 +41,35 @@ class StoreHost:
         self.endpoint = f"{self._addr}:{self._store.port}"
         return self
 
+    def prune(self, current: GenerationId) -> int:
+        """Delete the keys of every generation older than ``current`` (the one just handed
+        to the workers): their groups are left, nobody reads them again, and they told
+        anyone who reaches the port every earlier group's layout. Returns how many went;
+        a failure is logged, never raised (the keys only cost memory)."""
+        if self._store is None:
+            return 0
+        try:
+            old = [k for k in self._store.list_keys() if _older(k, current)]
+            for key in old:
+                self._store.delete_key(key)
+        except (RuntimeError, OSError) as exc:
+            log.warning("could not prune the recovery store's old generations", reason=str(exc))
+            return 0
+        return len(old)
+
     def stop(self) -> None:
         self._store = None   # the C++ store closes its listening socket when released
         self.endpoint = None
+
+
+def _older(key: str, current: GenerationId) -> bool:
+    """Whether ``key`` is under the prefix of a generation before ``current``
+    (``GenerationId.store_prefix``: ``elasticd/<epoch>/<round>/<seq>/``); keys of no
+    generation, and of ``current`` and later, stay."""
+    parts = key.split("/", 4)
+    if len(parts) < 5 or parts[0] != "elasticd" or not (parts[2].isdigit() and parts[3].isdigit()):
+        return False
+    epoch, round_, seq = parts[1], int(parts[2]), int(parts[3])
+    if epoch != (current.epoch or "-"):
+        return True       # another rendezvous lifetime: the job's earlier one
+    return (round_, seq) < (current.round, current.seq)

@@ -59,7 +59,7 @@ def write_config(path: Path, *, job: str, node: str, endpoint: str, run_dir: Pat
                  min_nodes: int = 1, max_nodes: int = 3, entrypoint: list[str] | None = None,
                  lease_ttl_s: int = 5, every_steps: int = 20, extra: str = "",
                  sections: str = "", recovery: str | None = None, addr: str = "127.0.0.1",
-                 warm_start: bool = True) -> Path:
+                 warm_start: bool = True, secret_file: Path | None = None) -> Path:
     """A node's TOML config; ``extra`` lines go into [supervisor], ``sections`` at the end.
 
     ``endpoint``: one etcd endpoint, or several comma-separated (every member of a cluster).
@@ -67,11 +67,16 @@ def write_config(path: Path, *, job: str, node: str, endpoint: str, run_dir: Pat
     ``recovery``: ``[recovery] mode`` ("in-place" | "restart"); None leaves the config's
     default (in-place) and the section to ``sections``. ``addr``: ``node.addr``, the
     address the node binds and advertises. ``warm_start``: ``[job] warm_start`` (False: every
-    worker of the node starts cold).
+    worker of the node starts cold). ``secret_file``: ``[recovery] secret_file`` (the job's
+    secret).
     """
     entry = entrypoint or [MLP, *TRAIN_ARGS]
     if recovery is not None:
         sections = f'[recovery]\nmode = "{recovery}"\n{sections}'
+    if secret_file is not None:
+        line = f"secret_file = {json.dumps(str(secret_file))}\n"
+        sections = (sections.replace("[recovery]\n", "[recovery]\n" + line, 1)
+                    if "[recovery]\n" in sections else f"[recovery]\n{line}{sections}")
     path.write_text(f"""
 [job]
 id = "{job}"
@@ -102,6 +107,17 @@ drain_grace_s = 30
 {extra}
 {sections}
 """)
+    return path
+
+
+def job_secret(root: Path) -> Path:
+    """The job's secret file of the nodes under ``root`` (one per cluster: every node of
+    the job shares it, as an operator copies it to each; mode 600), made on first use."""
+    path = root / "job.secret"
+    with contextlib.suppress(FileExistsError):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(os.urandom(32))
     return path
 
 
@@ -317,9 +333,9 @@ class DaemonNode(Node):
         return [self.run_dir / "agent.log"]
 
     def prepare(self) -> None:
+        kw = {"secret_file": job_secret(self.root), **self.config_kw}
         write_config(self.config_path, job=self.job, node=self.name, endpoint=self.endpoint,
-                     run_dir=self.run_dir, ckpt_dir=self.ckpt_dir or self.root / "ckpt",
-                     **self.config_kw)
+                     run_dir=self.run_dir, ckpt_dir=self.ckpt_dir or self.root / "ckpt", **kw)
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "elasticd", "run", "--config", str(self.config_path)]

@@ -5,10 +5,15 @@ fencing token is the key's ``mod_revision``, and every write is one etcd
 transaction (compare the revision, or create-if-absent when the token is None).
 The rendezvous rules themselves stay in torch's ``DynamicRendezvousHandler``.
 
-torch ``pickle.loads`` whatever the backend returns. Every value read from etcd is
-therefore first loaded with the restricted unpickler (``state_ops.load_state``): a value
-that is not a plain rendezvous state never reaches torch, and the agent gets torch's
-``RendezvousStateError`` naming the key and the fix instead.
+The backend keeps torch's contract: the state is opaque bytes, returned as they were
+stored (torch's own ``RendezvousBackendTestMixin`` holds for it). torch's state holder
+``pickle.loads`` whatever its backend returns, and anyone who can write the job's prefix
+can write this key, so this plugin's handler never gives torch the raw backend: it gives
+it ``CheckedBackend``, which returns a value only once the restricted unpickler loaded it
+as a plain rendezvous state (``state_ops.load_state``); anything else raises torch's
+``RendezvousStateError`` naming the key and the fix, and never reaches ``pickle.loads``.
+(Before, the check was in the backend itself: 8 of torch's backend tests failed, whose
+states are bytes such as ``b"x"``.)
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         if kv is None:
             return None
         self._seen = kv.mod_revision
-        return self._checked(kv.value), kv.mod_revision
+        return kv.value, kv.mod_revision
 
     def set_state(self, state: bytes, token: Token | None = None
                   ) -> tuple[bytes, Token, bool] | None:
@@ -82,13 +87,43 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         if kv is not None:
             self._seen = kv.mod_revision
         if won:
-            # The bytes torch itself just pickled: nothing from etcd to check.
             return state, kv.mod_revision, True
-        return None if kv is None else (self._checked(kv.value), kv.mod_revision, False)
+        return None if kv is None else (kv.value, kv.mod_revision, False)
+
+    @property
+    def key(self) -> str:
+        return self._key
+
+
+class CheckedBackend(RendezvousBackend):
+    """What torch's state holder reads through in this plugin's handler: ``backend``'s
+    values, each only once it loads as a plain rendezvous state (``CorruptStateError``,
+    torch's ``RendezvousStateError``, otherwise). A value this agent's own write just
+    stored is torch's own pickle: nothing from etcd to check."""
+
+    def __init__(self, backend: EtcdV3RendezvousBackend) -> None:
+        self.raw = backend
+
+    @property
+    def name(self) -> str:
+        return self.raw.name
+
+    def wait_for_change(self, timeout_s: float) -> None:
+        self.raw.wait_for_change(timeout_s)
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        got = self.raw.get_state()
+        return None if got is None else (self._checked(got[0]), got[1])
+
+    def set_state(self, state: bytes, token: Token | None = None
+                  ) -> tuple[bytes, Token, bool] | None:
+        got = self.raw.set_state(state, token)
+        if got is None or got[2]:
+            return got
+        return self._checked(got[0]), got[1], False
 
     def _checked(self, value: bytes) -> bytes:
-        """``value`` unchanged once it loads as a plain rendezvous state (else CorruptStateError)."""
-        state_ops.load_state(value, self._key)
+        state_ops.load_state(value, self.raw.key)
         return value
 
 

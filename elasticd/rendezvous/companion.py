@@ -591,6 +591,7 @@ class _Round:
 
     def _hand_over(self, record: GenerationRecord) -> None:
         hand_over(str(self.owner.generation_file), record)
+        self.owner._store.prune(record.id)
         self.adopted = record
         for node in record.lost:
             self.answers.pop(node, None)

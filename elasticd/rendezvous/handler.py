@@ -66,7 +66,7 @@ from elasticd.contract.settings import IN_PLACE, RECOVERY_MODES, UNAGREED_RECOVE
 from elasticd.errors import ConfigError, EtcdError
 from elasticd.etcd_client import EtcdClient, EtcdSettings, no_retry
 from elasticd.lease import LeaseKeeper
-from elasticd.rendezvous.backend import EtcdV3RendezvousBackend
+from elasticd.rendezvous.backend import CheckedBackend, EtcdV3RendezvousBackend
 from elasticd.rendezvous.closed import DAEMON_PID_ENV, closed_message
 from elasticd.rendezvous.keyed import KeyedRendezvousHandler
 from elasticd.rendezvous.keys import (
@@ -336,7 +336,7 @@ class EtcdV3RendezvousHandler(LeavesOnExit, dyn.DynamicRendezvousHandler):
 
     def _backend_waits(self, timeout_s: float) -> None:
         backend = getattr(self._state_holder, "_backend", None)
-        if isinstance(backend, EtcdV3RendezvousBackend):
+        if isinstance(backend, CheckedBackend):
             backend.wait_for_change(timeout_s)
             self._state_holder._last_sync_time = -1.0  # the next sync reads, not the cache
         else:
@@ -481,7 +481,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
             on_world=lambda round_, info: export_generation(round_, info, keyed.epoch),
             companion=companion)
         return keyed
-    backend = EtcdV3RendezvousBackend(client, config.keys.rdzv_state, lease)
+    backend = CheckedBackend(EtcdV3RendezvousBackend(client, config.keys.rdzv_state, lease))
     handler = EtcdV3RendezvousHandler.from_backend(
         params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr,
         timeout, keep_alive_interval=interval, keep_alive_max_attempt=attempts,

@@ -68,12 +68,12 @@ def test_missing_job_section():
 def test_env_overrides_per_node_values_and_secrets(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('[job]\nid = "demo"\nentrypoint = ["t.py"]\n[etcd]\nuser = "u"\npassword = "file"\n')
-    c = load_config(path, env={"ELASTICD_NODE_ID": "node-7", "ELASTICD_ETCD_PASSWORD": "secret",
+    c = load_config(path, env={"ELASTICD_NODE_ID": "node-7", "ELASTICD_ETCD_PASSWORD": "pw-s3cr3t",
                                "ELASTICD_ETCD_ENDPOINTS": "10.0.0.1:2379, 10.0.0.2:2379"})
     assert c.node.id == "node-7"
-    assert c.etcd.password == "secret"
+    assert c.etcd.password == "pw-s3cr3t"
     assert c.etcd.endpoints == ("10.0.0.1:2379", "10.0.0.2:2379")
-    assert "secret" not in repr(c)
+    assert "pw-s3cr3t" not in repr(c)   # (not "secret": [recovery] secret_file is a path)
 
 
 def test_env_overrides_the_metrics_bind_address(tmp_path):

@@ -204,6 +204,26 @@ def test_the_store_host_serves_clients_under_a_generation_prefix():
         host.stop()
 
 
+def test_handing_a_generation_prunes_the_store_of_every_older_one():
+    # Issue 27 finding 4: the store kept every generation's keys for the daemon's life.
+    import torch.distributed as dist
+
+    host = StoreHost("127.0.0.1", 0).start()
+    try:
+        addr, port = host.endpoint.rsplit(":", 1)
+        c = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=5))
+        gens = [GenerationId(1, 4, "ep"), G, G.next(), G.next().next(), GenerationId(2, 0, "old")]
+        for gen in gens:
+            dist.PrefixStore(gen.store_prefix, c).set("k", "v")
+        c.set("not-a-generation", "v")
+        assert host.prune(G.next()) == 3            # round 1, seq 0 of round 2, the old epoch
+        left = sorted(c.list_keys())
+        assert left == sorted(["not-a-generation", G.next().store_prefix + "/k",
+                               G.next().next().store_prefix + "/k"]), left
+    finally:
+        host.stop()
+
+
 def test_a_taken_store_port_leaves_no_endpoint():
     first = StoreHost("127.0.0.1", 0).start()
     try:

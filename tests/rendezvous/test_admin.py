@@ -8,13 +8,14 @@ import time
 from datetime import datetime
 
 import pytest
-from torch.distributed.elastic.rendezvous import RendezvousStateError
+from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 
 from elasticd.errors import EtcdError
 from elasticd.etcd_client import EtcdClient, EtcdSettings
 from elasticd.rendezvous import admin
-from elasticd.rendezvous.backend import EtcdV3RendezvousBackend
+from elasticd.rendezvous.backend import CheckedBackend, EtcdV3RendezvousBackend
+from elasticd.rendezvous.handler import create_handler
 from elasticd.rendezvous.keys import JobKeys
 from elasticd.rendezvous.state_ops import CorruptStateError
 
@@ -138,11 +139,14 @@ def test_a_crafted_state_runs_no_code_in_the_daemon(client, keys, tmp_path):
     assert not marker.exists()
 
 
-def test_a_crafted_state_never_reaches_torch(client, keys, tmp_path):
+def test_a_crafted_state_never_reaches_torch(client, keys, tmp_path, etcd_server):
     marker = tmp_path / "pwned"
-    backend = EtcdV3RendezvousBackend(client, keys.rdzv_state)
+    raw = EtcdV3RendezvousBackend(client, keys.rdzv_state)
+    backend = CheckedBackend(raw)
     _, token, _ = backend.set_state(state(node("a", 1)))
-    client.put(keys.rdzv_state, pickle.dumps(_Evil(str(marker))))
+    evil = pickle.dumps(_Evil(str(marker)))
+    client.put(keys.rdzv_state, evil)
+    assert raw.get_state()[0] == evil     # torch's contract: the backend's bytes are opaque
     with pytest.raises(RendezvousStateError, match=f"rendezvous state at {keys.rdzv_state}.*etcdctl del"):
         backend.get_state()
     # A lost race hands torch the current value: checked too.
@@ -154,6 +158,12 @@ def test_a_crafted_state_never_reaches_torch(client, keys, tmp_path):
                                         __import__("datetime").timedelta(seconds=5), 3))
     with pytest.raises(RendezvousStateError):
         holder.sync()
+    # The plugin's handler reads only through the check.
+    handler = create_handler(RendezvousParameters(
+        "etcd3", etcd_server.endpoint, keys.job_id, 1, 2, rounds="torch"))
+    assert isinstance(handler._state_holder._backend, CheckedBackend)
+    with pytest.raises(RendezvousStateError):
+        handler._state_holder.sync()
     assert not marker.exists()
 
 

@@ -33,7 +33,7 @@ def store(client, keys):
 # -- backend -------------------------------------------------------------------------------
 
 def st(round_: int) -> bytes:
-    """A real pickled torch state (the backend refuses anything else it reads from etcd)."""
+    """A real pickled torch state (what the agents store)."""
     state = dyn._RendezvousState()
     state.round = round_
     return pickle.dumps(state)
@@ -105,6 +105,26 @@ def test_state_lives_on_the_run_lease(client, keys):
     assert client.get(keys.rdzv_state).lease_id == lease.id
     lease.stop(revoke=True)
     assert backend.get_state() is None, "a dead run's state must not stay in etcd"
+
+
+# torch's backend contract: the state is opaque bytes, whatever they hold (the check that a
+# value read from etcd is a plain rendezvous state is the handler's, CheckedBackend).
+
+def test_any_bytes_are_a_state_and_come_back_as_stored(client, keys):
+    backend = EtcdV3RendezvousBackend(client, keys.rdzv_state)
+    state, token, won = backend.set_state(b"x")
+    assert (state, won) == (b"x", True) and backend.get_state() == (b"x", token)
+    state, newer, won = backend.set_state(b"\x00y", token)
+    assert (state, won) == (b"\x00y", True) and newer != token
+
+
+@pytest.mark.parametrize("stale", ["old", "none", "invalid"])
+def test_a_write_on_a_stale_absent_or_foreign_token_returns_the_current_state(client, keys, stale):
+    backend = EtcdV3RendezvousBackend(client, keys.rdzv_state)
+    _, first, _ = backend.set_state(b"x")
+    current = backend.set_state(b"y", first) if stale == "old" else (b"x", first, True)
+    token = {"old": first, "none": None, "invalid": "invalid"}[stale]
+    assert backend.set_state(b"z", token) == (current[0], current[1], False)
 
 
 # -- store ---------------------------------------------------------------------------------

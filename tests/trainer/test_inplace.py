@@ -323,10 +323,9 @@ def test_a_re_form_that_cannot_finish_falls_back_and_keeps_the_checkpoints(world
     torch.testing.assert_close(latest.load_latest().step, reached)
 
 
-@pytest.mark.parametrize("joined", [False, True], ids=["member", "joined"])
-def test_the_holder_of_the_newest_state_hands_it_to_the_survivor_a_step_behind(tmp_path, joined):
-    # joined: rank 1 claims the newer step but its node is among the record's joined: a
-    # newcomer holds no state of the job's, so rank 0's (a step behind) is everyone's.
+def _hand_over_between_two(tmp_path, joined: bool = False,
+                           secrets: tuple[Path | None, Path | None] = (None, None)) -> list[dict]:
+    """tests/workers/handover.py as ranks 0 and 1 (rank 1 a step ahead); what each holds."""
     port = free_port()
     procs = []
     for rank in (0, 1):
@@ -334,6 +333,8 @@ def test_the_holder_of_the_newest_state_hands_it_to_the_survivor_a_step_behind(t
                    CUDA_VISIBLE_DEVICES="", LOCAL_RANK=str(rank), WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port))
+        if secrets[rank] is not None:
+            env["ELASTICD_SECRET_FILE"] = str(secrets[rank])
         procs.append(subprocess.Popen(
             [sys.executable, str(REPO / "tests" / "workers" / "handover.py"), str(tmp_path / "out"),
              *(["joined"] if joined else [])],
@@ -343,7 +344,32 @@ def test_the_holder_of_the_newest_state_hands_it_to_the_survivor_a_step_behind(t
     finally:
         for p in procs:
             proctree.kill_tree(p.pid)
-    got = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in (0, 1)]
+    return [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in (0, 1)]
+
+
+def _secret(path: Path) -> Path:
+    path.write_bytes(os.urandom(32))
+    path.chmod(0o600)
+    return path
+
+
+def test_members_that_share_the_jobs_secret_hand_over_and_a_stranger_ends_the_re_form(tmp_path):
+    # Issue 27 finding 4: anyone who reaches the recovery store could slip a process into
+    # the group it forms. Each member proves the job's secret before any state moves.
+    shared = _secret(tmp_path / "job.secret")
+    got = _hand_over_between_two(tmp_path, secrets=(shared, shared))
+    assert [g.get("step") for g in got] == [1, 1], got
+    stranger = _secret(tmp_path / "other.secret")
+    got = _hand_over_between_two(tmp_path, secrets=(shared, stranger))
+    assert all("did not prove the job's secret" in g.get("error", "") for g in got), got
+    assert "rank(s) [1]" in got[0]["error"] and "rank(s) [0]" in got[1]["error"]
+
+
+@pytest.mark.parametrize("joined", [False, True], ids=["member", "joined"])
+def test_the_holder_of_the_newest_state_hands_it_to_the_survivor_a_step_behind(tmp_path, joined):
+    # joined: rank 1 claims the newer step but its node is among the record's joined: a
+    # newcomer holds no state of the job's, so rank 0's (a step behind) is everyone's.
+    got = _hand_over_between_two(tmp_path, joined)
     if joined:   # the LRs of a step not taken are not part of the state
         assert [(g["step"], g["cursor"], g["digest"]) for g in got] == [(0, 0, got[0]["digest"])] * 2
         return

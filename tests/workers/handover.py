@@ -5,7 +5,9 @@ build the MLP trainer and its group; rank 1 then takes one optimizer step alone 
 survivor whose all-reduce completed does while the other's failed); both run the
 trainer's hand-over and write what they hold to ``OUT.<rank>.json``. With ``joined``, the
 record names rank 1's node among the joined: its newer claim must not be taken (a process
-posing as a newcomer, issue 27), and rank 0's state wins.
+posing as a newcomer, issue 27), and rank 0's state wins. With ``ELASTICD_SECRET_FILE``
+set, the members prove the job's secret first; a rank that cannot writes the error to
+``OUT.<rank>.json`` instead.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from trainer import dist as tdist
 from trainer.context import ElasticContext
 from trainer.examples import mlp
 from trainer.exitcodes import exit_worker
+from trainer.inplace import ReformError
 from trainer.loop import ElasticTrainer, TrainConfig
 
 
@@ -44,7 +47,12 @@ def main(out: str, joined: bool) -> int:
         st.lrs_used = [0.05]
     record = GenerationRecord(GenerationId(0, 1), renumber([("n0", 1), ("n1", 1)]),
                               "127.0.0.1:1", planned=True, joined=("n1",) if joined else ())
-    trainer.recovery._sync_state(record)
+    try:
+        trainer.recovery._sync_state(record)
+    except ReformError as exc:
+        with open(f"{out}.{ctx.rank}.json", "w") as f:
+            json.dump({"error": str(exc)}, f)
+        return 0
     digest = hashlib.sha256()
     for t in [*model.state_dict().values(), *[v for s in opt.state.values() for v in s.values()
                                              if isinstance(v, torch.Tensor)]]:
