@@ -41,12 +41,17 @@ def chaos(args: tuple[str, ...]) -> None:
 @click.option("--log-level", default="info", show_default=True)
 def run(config_path: str, log_level: str) -> None:
     """Run the node daemon until the job completes or the node is drained."""
+    from elasticd.config import check_secret_file
     from elasticd.logs import configure_logging
     from elasticd.prestart import prepare
 
     configure_logging(log_level)
     config = _load(config_path)
     _refuse_a_bad_checkpoint_dir(config)
+    try:
+        check_secret_file(config.recovery)   # before the warm server: a refusal leaves nothing
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
     # The warm-start server first: its imports (torch among them) then run beside the
     # daemon's, not after them; a newcomer's workers wait for it (elasticd.prestart).
     early = prepare(config)

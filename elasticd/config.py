@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elasticd.contract.secret import SecretError, read_secret
 from elasticd.contract.settings import (
     DEFAULT_LR_RULE,
     DEFAULT_RECOVERY,
@@ -271,8 +272,8 @@ class RecoveryConfig:
     # restarts every worker (on GPUs: CUDA, NCCL, compile and a checkpoint load each time).
     join_in_place: bool = True
     # The job's secret (elasticd.contract.secret): every member of an in-place group proves
-    # it before any state is taken from it. "": groups form unauthenticated. The daemon
-    # checks the file at its start (``Daemon.start``), not every reader of the config.
+    # it before any state is taken from it. "": groups form unauthenticated. Checked where
+    # a daemon starts (``check_secret_file``), not by every reader of the config.
     secret_file: str = ""
 
     def __post_init__(self) -> None:
@@ -290,6 +291,16 @@ class RecoveryConfig:
                  "use seconds in (0, 600] (the longest an in-place re-form may take)")
         _require(0 <= self.store_port < 65536, "recovery.store_port", self.store_port,
                  "use 0 (an ephemeral port) or a free TCP port")
+
+
+def check_secret_file(recovery: RecoveryConfig) -> None:
+    """``[recovery] secret_file`` must be usable where a daemon starts (``ConfigError``
+    naming the fix); checked there, not by every reader of the config (``status``)."""
+    if recovery.secret_file:
+        try:
+            read_secret(recovery.secret_file)
+        except SecretError as exc:
+            raise ConfigError(f"[recovery] secret_file: {exc}") from None
 
 
 @dataclass(frozen=True)

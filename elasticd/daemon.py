@@ -51,12 +51,11 @@ from elasticd.agent import (
     torchrun_command,
     worker_env,
 )
-from elasticd.config import RELOADABLE, Config, load_config
+from elasticd.config import RELOADABLE, Config, check_secret_file, load_config
 from elasticd.contract import generation
 from elasticd.contract.progress import ProgressReader
-from elasticd.contract.secret import SecretError, read_secret
 from elasticd.contract.settings import IN_PLACE
-from elasticd.errors import ConfigError, ElasticdError, EtcdError
+from elasticd.errors import ElasticdError, EtcdError
 from elasticd.etcd_client import EtcdClient, deadline
 from elasticd.inplace.agreement import ShrinkOutcome, drain_world, grow_world, shrink_world
 from elasticd.inplace.handover import hand_over
@@ -145,16 +144,11 @@ class Daemon:
     def _check_secret(self) -> None:
         """The job's secret file must be usable before any worker is handed its path; without
         one, say once what the groups then rest on."""
-        path = self.config.recovery.secret_file
-        if not path:
+        check_secret_file(self.config.recovery)
+        if not self.config.recovery.secret_file:
             self.log.info("in-place groups form unauthenticated (no [recovery] secret_file): "
                           "the recovery store's port must be reachable by the job's nodes only",
                           fix="docs/security.md: the job's secret")
-            return
-        try:
-            read_secret(path)
-        except SecretError as exc:
-            raise ConfigError(f"[recovery] secret_file: {exc}") from None
 
     def run(self) -> int:
         """Run until the job completes, the node fails, or a drain finishes; the exit code."""

@@ -11,7 +11,7 @@ gives that member, keyed with the job's secret (``trainer.inplace.vouch``). A me
 whose proof is wrong ends the re-form (the restart path), before any state moves.
 
 The secret is a file the operator puts on every node of the job (the same bytes, like
-the etcd certificates; ``[recovery] secret_file``), readable by the daemon's user only;
+the etcd certificates; ``[recovery] secret_file``), closed to other users;
 the daemon hands its path to its workers (``ELASTICD_SECRET_FILE``). It is never written
 to etcd, to the store, to a record or to a log. Without one the groups form
 unauthenticated, and the store's port must be reachable by the job's nodes alone
@@ -36,15 +36,17 @@ class SecretError(ValueError):
 
 
 def read_secret(path: str) -> bytes:
-    """The secret in ``path``, checked: a regular file, at least ``MIN_BYTES`` bytes,
-    readable by its owner alone (``SecretError`` names what is wrong and the fix)."""
+    """The secret in ``path``, checked: a regular file, at least ``MIN_BYTES`` bytes, no
+    access for other users (owner and group: the deploy's files are root's, group the
+    daemon's, mode 640) (``SecretError`` names what is wrong and the fix)."""
     try:
         info = os.stat(path)
         if not stat.S_ISREG(info.st_mode):
             raise SecretError(f"the job's secret file {path} is not a regular file; {MAKE_ONE}")
-        if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise SecretError(f"the job's secret file {path} is readable by others (mode "
-                              f"{stat.S_IMODE(info.st_mode):o}); chmod 600 {path}")
+        if info.st_mode & stat.S_IRWXO:
+            raise SecretError(f"the job's secret file {path} is open to every user (mode "
+                              f"{stat.S_IMODE(info.st_mode):o}); chmod 600 {path} (or 640, "
+                              "its group the daemon's alone)")
         with open(path, "rb") as f:
             secret = f.read(4096)
     except OSError as exc:

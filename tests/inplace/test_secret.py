@@ -45,7 +45,7 @@ def test_a_proof_binds_the_secret_the_generation_the_store_the_rank_and_the_node
 
 
 def test_the_daemon_does_not_start_on_an_unusable_secret_file(tmp_path):
-    secret = _file(tmp_path, mode=0o640)
+    secret = _file(tmp_path, mode=0o644)
     config = write_config(tmp_path / "node.toml", job="j", node="a", endpoint="127.0.0.1:1",
                           run_dir=tmp_path / "run", ckpt_dir=tmp_path / "ckpt",
                           secret_file=secret)
