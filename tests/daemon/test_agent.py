@@ -326,12 +326,15 @@ def test_started_at_is_gone():
 def test_the_workers_get_the_recovery_settings_and_the_generation_file(tmp_path):
     config = config_from_dict({"job": {"id": "demo", "entrypoint": ["train.py"]},
                                "recovery": {"mode": "restart", "bound_s": 3,
-                                            "reform": "destroy-init"}})
+                                            "reform": "destroy-init",
+                                            "secret_file": "/etc/elasticd/job.secret"}})
     settings = worker_settings(config, RunFiles(tmp_path))
     assert (settings.recovery_mode, settings.recovery_bound_s) == ("restart", 3.0)
     assert settings.to_env()["ELASTICD_REFORM"] == "destroy-init"
+    assert settings.to_env()["ELASTICD_SECRET_FILE"] == "/etc/elasticd/job.secret"  # its path only
     assert settings.generation_file == str(tmp_path / "generation.json")
     assert worker_settings(CONFIG, RunFiles(tmp_path)).recovery_mode == "in-place"
+    assert "ELASTICD_SECRET_FILE" not in worker_settings(CONFIG, RunFiles(tmp_path)).to_env()
 
 
 def test_torchs_restart_count_is_read_from_the_workers_environment():
