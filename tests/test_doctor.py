@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from elasticd.cli import main
 from elasticd.etcd_client import EtcdClient, EtcdSettings
 from elasticd.lab.embedded_etcd import free_port
+from elasticd.lab.local_cluster import job_secret
 from elasticd.ops import doctor
 from tests.conftest import etcdctl
 
@@ -56,7 +57,9 @@ def lines_with(lines: list[str], status: str) -> list[str]:
 def test_healthy_local_setup_every_line_ok(etcd_server, job_id, tmp_path):
     port = free_port()
     config = write_config(tmp_path, etcd_server.endpoint, job_id)
-    config.write_text(config.read_text() + f"\n[metrics]\nport = {port}\n")
+    secret = job_secret(tmp_path)
+    config.write_text(config.read_text() + f'\n[metrics]\nport = {port}\n'
+                      f'[recovery]\nsecret_file = "{secret}"\n')
     code, lines = run(config)
     assert code == 0, "\n".join(lines)
     assert lines and all(line.startswith("ok ") for line in lines), "\n".join(lines)
@@ -64,7 +67,7 @@ def test_healthy_local_setup_every_line_ok(etcd_server, job_id, tmp_path):
     for expected in ("config", f"etcd {etcd_server.endpoint}", f"/elasticd/{job_id}/doctor/node-a",
                      "writable", "GiB free", "checkpoint dir the same on every node", "clock:",
                      "torch 2.", "CUDA", "node addr 127.0.0.1", f"metrics port 127.0.0.1:{port} is free",
-                     "torchrun.handlers:etcd3"):
+                     "torchrun.handlers:etcd3", f"the job's secret {secret} is usable"):
         assert expected in text, (expected, text)
     # The id file was made, and the record published with it on a lease.
     dir_id = (tmp_path / "ckpt" / doctor.DIR_ID_FILE).read_text().strip()
@@ -85,6 +88,18 @@ def test_healthy_local_setup_every_line_ok(etcd_server, job_id, tmp_path):
         client.close()
     # Nothing but the id file is left in the checkpoint dir.
     assert [p.name for p in (tmp_path / "ckpt").iterdir()] == [doctor.DIR_ID_FILE]
+
+
+def test_the_jobs_secret_missing_is_a_warning_and_unusable_a_failure(etcd_server, job_id, tmp_path):
+    config = write_config(tmp_path, etcd_server.endpoint, job_id)
+    code, lines = run(config)
+    assert code == 0 and any("no [recovery] secret_file" in w for w in lines_with(lines, "warn")), lines
+    secret = job_secret(tmp_path)
+    secret.chmod(0o644)
+    config.write_text(config.read_text() + f'[recovery]\nsecret_file = "{secret}"\n')
+    code, lines = run(config)
+    failed = lines_with(lines, "FAIL")
+    assert code != 0 and len(failed) == 1 and f"chmod 600 {secret}" in failed[0], lines
 
 
 def test_config_error_is_one_fail_line(tmp_path):
@@ -254,7 +269,7 @@ def test_a_peer_clock_ahead_is_a_warning(etcd_server, job_id, tmp_path):
     finally:
         client.close()
     assert code == 0, lines
-    warned = lines_with(lines, "warn")
+    warned = [w for w in lines_with(lines, "warn") if "secret_file" not in w]
     assert len(warned) == 1 and re.search(r"records in our future: node-z by (59|60)\.\d s", warned[0]), lines
     assert "NTP" in warned[0]
 

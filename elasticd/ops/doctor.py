@@ -110,9 +110,29 @@ def _run(path: Path, env: dict[str, str] | None, report: Callable[[Check], None]
             report(_clock_check(peers, clock()))
     report(_torch_check())
     if config is not None:
+        report(_secret_check(config))
         for check in _port_checks(config):
             report(check)
     report(_entry_point_check(config.job.python if config is not None else None))
+
+
+def _secret_check(config: Any) -> Check:
+    """``[recovery] secret_file``: usable, as the daemon checks it at its start; absent is a
+    warning (the re-formed groups then rest on the firewall, docs/security.md)."""
+    from elasticd.config import check_secret_file
+
+    path = config.recovery.secret_file
+    if not path:
+        return warn("no [recovery] secret_file: in-place groups form unauthenticated",
+                    "put the job's secret on every node (head -c 32 /dev/urandom > FILE; "
+                    "chmod 600 FILE) and set [recovery] secret_file, or let only the job's "
+                    "nodes reach [recovery] store_port")
+    try:
+        check_secret_file(config.recovery)
+    except ConfigError as exc:
+        return fail(str(exc), "the fix named above; the daemon does not start without it")
+    return ok(f"the job's secret {path} is usable (mode and length; the same file must be on "
+              "every node)")
 
 
 @contextlib.contextmanager
