@@ -10,7 +10,7 @@ checkpoint. A record is now entered, built on, or allowed to fence anyone out on
 * every member has a live record of its own (a node record under the daemon, a companion
   record under plain torchrun): a member of the workers' round reports a world of that
   round; a member new in it is among the record's ``joined`` and its record says its
-  newcomers wait to enter that round (a join, or a warm spare);
+  newcomers wait to enter that round (a join, or a warm spare), or are in it already;
 * the store is the one rank 0's node publishes: the rule ``generation.shrink`` and
   ``grow`` follow (a group forms through the store of its rank 0's host).
 
@@ -46,10 +46,12 @@ def refusal(record: GenerationRecord, roster: Roster) -> str | None:
     for member in record.members:
         node = member.node
         if node in record.joined:
-            live = roster.entering.get(node)
+            # Entering, or already entered (its newcomers report a world of the round once
+            # they are in, and its daemon clears ``entering``: a slower member reads that).
+            live = roster.entering.get(node) or roster.worlds.get(node)
             if live is None or not live.same_round(round_):
                 return (f"it names {node} among the joined, but no record of {node} says its "
-                        f"newcomers wait to enter round {round_.round}")
+                        f"newcomers wait to enter round {round_.round} or are in it")
         else:
             world = roster.worlds.get(node)
             if world is None or not world.same_round(round_):

@@ -36,6 +36,10 @@ def test_a_joiner_whose_record_says_no_newcomer_waits_is_refused():
     assert "among the joined" in refusal(joined, Roster(STORES, ROSTER.worlds))
     elsewhere = Roster(STORES, ROSTER.worlds, {"d": GenerationId(9, 0, "ep")})
     assert "among the joined" in refusal(joined, elsewhere)
+    # Once in, the joiner's record reports the new world and no longer says entering: a
+    # member that reads the record only now must still take it.
+    entered = Roster(STORES, {**ROSTER.worlds, "d": G.next()})
+    assert refusal(joined, entered) is None
 
 
 def test_a_store_rank_0s_node_does_not_publish_is_refused():
