@@ -524,7 +524,7 @@ class Daemon:
         others = dict(action["others"])   # warm newcomers of other nodes: one generation
         out = self._agreement((self.node_id, *others), lambda: grow_world(
             self.client, self.keys, self.node_id, nproc, action["live"], self._world_views(()),
-            self._roster(), deadline_s=RDZV_EDIT_S, others=others))
+            self._roster(joining=action["live"]), deadline_s=RDZV_EDIT_S, others=others))
         self._grown = out
         if out.status == "failed":
             return Outcome(f"no join in place: {out.reason}", _generation_fields(out), failed=True)
@@ -568,8 +568,9 @@ class Daemon:
             views[self.node_id] = mine
         return list(views.values())
 
-    def _roster(self) -> Roster:
-        """What the live nodes' records say of themselves, ours from the source (vetting)."""
+    def _roster(self, joining: generation.GenerationId | None = None) -> Roster:
+        """What the live nodes' records say of themselves, ours from the source (vetting);
+        ``joining``: the live world our newcomers wait to enter, when the caller knows it."""
         peers = self.membership.peers()
         stores = {n: p.store for n, p in peers.items() if p.store}
         worlds = {n: p.world.generation for n, p in peers.items() if p.world is not None}
@@ -579,8 +580,9 @@ class Daemon:
         mine = self.progress.progress.world(self.node_id)
         if mine is not None:
             worlds[self.node_id] = mine.generation
-        if self.memory.life.joining is not None:
-            entering[self.node_id] = self.memory.life.joining
+        joining = joining or self.memory.life.joining
+        if joining is not None:
+            entering[self.node_id] = joining
         return Roster(stores, worlds, entering)
 
     def _vetted(self, record: generation.GenerationRecord | None,
