@@ -338,7 +338,7 @@ def vouch(record: GenerationRecord, secret: bytes | None, device: torch.device) 
     if secret is None:
         return
     world, gen = dist.get_world_size(), str(record.id)
-    expected = [proof(secret, gen, record.store, r, _node_of(record, r)) for r in range(world)]
+    expected = [proof(secret, gen, record.store, r, record.node_at(r)) for r in range(world)]
     mine = torch.tensor(list(expected[dist.get_rank()]), dtype=torch.uint8, device=device)
     shown = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(shown, mine)
@@ -347,10 +347,6 @@ def vouch(record: GenerationRecord, secret: bytes | None, device: torch.device) 
         raise ReformError(f"rank(s) {wrong} of generation {record.id} did not prove the job's "
                           "secret: not this job's workers (or another secret file); the group "
                           "is not used")
-
-
-def _node_of(record: GenerationRecord, rank: int) -> str:
-    return next(m.node for m in record.members if m.first_rank <= rank < m.first_rank + m.nproc)
 
 
 def newest_state(step: int, device: torch.device,

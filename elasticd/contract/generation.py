@@ -149,6 +149,10 @@ class GenerationRecord:
             return None
         return m.first_rank + local_rank
 
+    def node_at(self, rank: int) -> str:
+        """The node whose worker holds global ``rank`` (``rank_of``'s inverse)."""
+        return next(m.node for m in self.members if m.first_rank <= rank < m.first_rank + m.nproc)
+
     @property
     def joined_ranks(self) -> frozenset[int]:
         """The global ranks of the members new in this generation: they hold no state of

@@ -53,6 +53,24 @@ def read_joins(client: EtcdClient, keys: JobKeys, round_: int, warn: Warn,
     return tuple(sorted(live, key=lambda j: j.create_revision)), revision
 
 
+def oldest_join(client: EtcdClient, keys: JobKeys, round_: int, warn: Warn,
+                mine: Agent | None = None) -> Agent | None:
+    """The agent of round ``round_``'s oldest join that counts (its leader), or None. One
+    read of the oldest key, and one of its agent's liveness unless it is ``mine`` (the
+    caller's own, which it keeps alive), while that key counts, as it does but for a stray
+    or forged one; else every join is read (``read_joins``)."""
+    prefix = keys.rdzv_joins(round_)
+    first = client.first_created(prefix)
+    if first is None:
+        return None
+    _, joined = _join_problem(first, prefix)
+    if joined is not None and (joined.agent == mine or client.get(
+            keys.rdzv_alive + joined.agent.name) is not None):
+        return joined.agent
+    joins, _ = read_joins(client, keys, round_, warn)
+    return joins[0].agent if joins else None
+
+
 def count_joins(client: EtcdClient, keys: JobKeys, round_: int, warn: Warn,
                 remove: bool = True) -> int:
     """How many joins to ``round_`` count (``read_joins``): one count-only read while

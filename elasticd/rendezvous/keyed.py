@@ -50,7 +50,7 @@ from elasticd.etcd_client import EtcdClient, KeyValue, no_retry
 from elasticd.lease import LeaseKeeper
 from elasticd.rendezvous import BACKEND_NAME, entering
 from elasticd.rendezvous.closed import closed_message
-from elasticd.rendezvous.joins import count_joins, read_joins
+from elasticd.rendezvous.joins import count_joins, oldest_join, read_joins
 from elasticd.rendezvous.keys import JobKeys
 from elasticd.rendezvous.leaving import LeavesOnExit, warn_giving_up
 from elasticd.rendezvous.rounds import (
@@ -365,17 +365,9 @@ class KeyedRendezvousHandler(LeavesOnExit, RendezvousHandler):
                                                                             FOLLOWER_POLL_S))
 
     def _leads(self, round_: int) -> bool:
-        """Whether this agent leads round ``round_``: its oldest join that counts
-        (``read_joins``). One read decides while the oldest key is a live agent's."""
-        prefix = self._keys.rdzv_joins(round_)
-        first = self._etcd(lambda: self._client.first_created(prefix))
-        if first is None or first.key == self._join_key(round_):
-            return first is not None
-        alive_key = self._keys.rdzv_alive + first.key.removeprefix(prefix)
-        if first.lease_id and self._etcd(lambda: self._client.get(alive_key)) is not None:
-            return False
-        joins, _ = self._etcd(lambda: read_joins(self._client, self._keys, round_, self._warn_join))
-        return bool(joins) and joins[0].agent == self.agent
+        """Whether this agent leads round ``round_``: its oldest join that counts."""
+        return self._etcd(lambda: oldest_join(self._client, self._keys, round_,
+                                              self._warn_join, mine=self.agent)) == self.agent
 
     def _lead(self, round_: int, previous: World | None, ready_since: float | None,
               fence: int) -> float | None:

@@ -13,20 +13,16 @@ import pytest
 import torch.distributed as dist
 
 from elasticd.contract.generation import GenerationId, GenerationRecord, renumber
-from elasticd.etcd_client import EtcdClient, EtcdSettings
 from elasticd.rendezvous import admin
 from elasticd.rendezvous.keys import JobKeys
-from tests.daemon_nodes import DaemonNode, log_lines, stepping_at, stop_nodes, wait_for
+from tests.daemon_nodes import DaemonNode, log_lines, nodes_and_client, stepping_at, wait_for
 from trainer.inplace import ARRIVED_KEY
 
 
 @pytest.fixture
-def cluster(tmp_path, job_id, etcd_server):
-    nodes: list[DaemonNode] = []
-    client = EtcdClient(EtcdSettings(endpoints=(etcd_server.endpoint,)))
-    yield nodes, client
-    stop_nodes(nodes)
-    client.close()
+def cluster(etcd_server):
+    with nodes_and_client(etcd_server.endpoint) as made:
+        yield made
 
 
 def _start(nodes: list[DaemonNode], names: str, etcd_server, job_id: str, tmp_path,

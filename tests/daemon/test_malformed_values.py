@@ -16,9 +16,8 @@ import time
 
 import pytest
 
-from elasticd.etcd_client import EtcdClient, EtcdSettings
 from elasticd.rendezvous.keys import JobKeys
-from tests.daemon_nodes import DaemonNode, log_lines, stepping_at, stop_nodes, wait_for
+from tests.daemon_nodes import DaemonNode, log_lines, nodes_and_client, stepping_at, stop_nodes, wait_for
 
 ETCD_WARNING = "ignoring a malformed value in etcd; treating it as absent"
 RECORD_WARNING = "ignoring a malformed node record"
@@ -31,16 +30,14 @@ BAD_RECORDS = {
 
 
 @pytest.fixture
-def cluster(tmp_path, job_id, etcd_server):
-    nodes: list[DaemonNode] = []
-    client = EtcdClient(EtcdSettings(endpoints=(etcd_server.endpoint,)))
-    yield nodes, client
-    stop_nodes(nodes)
-    keys = JobKeys(job_id)
-    for key in (keys.state, keys.checkpoint_latest, keys.drain("a"), keys.node("a"), keys.node("b"),
-                *map(keys.node, BAD_RECORDS)):
-        client.delete(key)
-    client.close()
+def cluster(job_id, etcd_server):
+    with nodes_and_client(etcd_server.endpoint) as (nodes, client):
+        yield nodes, client
+        stop_nodes(nodes)
+        keys = JobKeys(job_id)
+        for key in (keys.state, keys.checkpoint_latest, keys.drain("a"), keys.node("a"),
+                    keys.node("b"), *map(keys.node, BAD_RECORDS)):
+            client.delete(key)
 
 
 def _warnings(node: DaemonNode, event: str, key: str) -> list[dict]:
