@@ -29,6 +29,13 @@ import structlog
 from elasticd import proctree
 from elasticd.config import Config
 from elasticd.contract import settings as worker_contract
+from elasticd.contract.identity import (
+    WORKER_USER_VAR,
+    WorkerIdentity,
+    launcher_command,
+    requested,
+    share,
+)
 from elasticd.contract.settings import ETCD_AUTH_STDIN_VAR, SECRET_VARS, WorkerSettings
 from elasticd.warmstart import WarmChild, WarmHost, spawn
 
@@ -41,6 +48,16 @@ class RunFiles:
 
     run_dir: Path
     log_dir: Path | None = None
+    # Who the workers run as (``[job] worker_user``); None: the daemon's own user.
+    workers: WorkerIdentity | None = None
+
+    def make_shared(self, path: Path) -> Path:
+        """Make directory ``path`` (if missing) and, with a worker user, open it to the
+        workers' group (``identity.share``)."""
+        path.mkdir(parents=True, exist_ok=True)
+        if self.workers is not None:
+            share(path, self.workers)
+        return path
 
     @property
     def progress(self) -> Path:
@@ -100,6 +117,8 @@ def torchrun_command(config: Config, nproc: int, log_dir: Path | None = None,
     entry = list(job.entrypoint)
     if warm_socket is not None and warm_capable(config):
         entry = ["--no-python", python, "-m", "elasticd.warmstart", str(warm_socket), *entry]
+    elif job.worker_user:   # a cold worker switches users before its interpreter starts
+        entry = ["--no-python", *launcher_command(python, entry)]
     return [
         python, "-m", "torch.distributed.run",
         "--rdzv-backend=etcd3",
@@ -187,9 +206,12 @@ def worker_env(config: Config, files: RunFiles, base: dict[str, str] | None = No
         env.pop(var, None)
     # The daemon's own environment may carry the credentials (config overrides) or stale
     # contract variables (a setting the config leaves unset must not leak through).
-    for var in (*SECRET_VARS, ETCD_AUTH_STDIN_VAR, *worker_contract.contract_env_names()):
+    for var in (*SECRET_VARS, ETCD_AUTH_STDIN_VAR, WORKER_USER_VAR,
+                *worker_contract.contract_env_names()):
         env.pop(var, None)
     env.update(worker_settings(config, files).to_env())
+    if files.workers is not None:   # read by each worker's first step (identity.become_worker)
+        env[WORKER_USER_VAR] = files.workers.encode()
     env.update({
         # Publish MASTER_ADDR/PORT afresh every round (see rendezvous/handler.py).
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
@@ -277,6 +299,9 @@ class AgentProcess:
         tmp = Path(self._env["TMPDIR"])
         shutil.rmtree(tmp, ignore_errors=True)  # the previous agent's leftovers
         tmp.mkdir(parents=True, exist_ok=True)
+        workers = requested(self._env)
+        if workers is not None:   # the workers' TMPDIR too: theirs to write
+            share(tmp, workers)
         if rotate_log(self._log_path, self._log_max_bytes, self._log_keep):
             log.info("agent log rotated", path=str(self._log_path), keep=self._log_keep)
         self.proc = self._start_warm()

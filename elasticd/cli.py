@@ -50,11 +50,11 @@ def run(config_path: str, log_level: str) -> None:
     _refuse_a_bad_checkpoint_dir(config)
     try:
         check_secret_file(config.recovery)   # before the warm server: a refusal leaves nothing
+        early = prepare(config)              # checks [job] worker_user
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
     # The warm-start server first: its imports (torch among them) then run beside the
     # daemon's, not after them; a newcomer's workers wait for it (elasticd.prestart).
-    early = prepare(config)
     early.start_warm(config)
     from elasticd.daemon import Daemon
 

@@ -19,6 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elasticd.contract.identity import (
+    IdentityError,
+    WorkerIdentity,
+    resolve,
+    switch_refusal,
+    worker_can,
+)
 from elasticd.contract.secret import SecretError, read_secret
 from elasticd.contract.settings import (
     DEFAULT_LR_RULE,
@@ -57,9 +64,19 @@ class JobConfig:
     # a start costs ~0.1 s instead of 2-7 s. Extra modules for it to import first.
     warm_start: bool = True
     warm_imports: tuple[str, ...] = ()
+    # The Unix user (and group; default its primary one) the workers run as, so the
+    # training code cannot read the daemon's etcd credentials (elasticd.contract.identity).
+    # "": the daemon's own user. Checked where a daemon starts (``check_worker_user``).
+    worker_user: str = ""
+    worker_group: str = ""
 
     def __post_init__(self) -> None:
         check_job_id(self.id)
+        for name in ("worker_user", "worker_group"):
+            _require(isinstance(getattr(self, name), str), f"job.{name}", getattr(self, name),
+                     "use a user (group) name or number, or leave it out")
+        _require(self.worker_user or not self.worker_group, "job.worker_group", self.worker_group,
+                 "set job.worker_user too (the group is the workers' user's)")
         _require(bool(self.entrypoint) and all(isinstance(a, str) for a in self.entrypoint),
                  "job.entrypoint", self.entrypoint,
                  'give the training script then its arguments, e.g. ["train.py", "--max-steps", "100"]')
@@ -291,6 +308,42 @@ class RecoveryConfig:
                  "use seconds in (0, 600] (the longest an in-place re-form may take)")
         _require(0 <= self.store_port < 65536, "recovery.store_port", self.store_port,
                  "use 0 (an ephemeral port) or a free TCP port")
+
+
+def check_worker_user(config: Config) -> WorkerIdentity | None:
+    """``[job] worker_user`` must be usable where a daemon starts: the user exists, this
+    process can switch to it, and it can use what the workers need (the checkpoint
+    directory, the job's secret). Its identity, or None when unset; ``ConfigError``
+    naming the fix otherwise."""
+    job = config.job
+    if not job.worker_user:
+        return None
+    try:
+        identity = resolve(job.worker_user, job.worker_group)
+    except IdentityError as exc:
+        raise ConfigError(f"[job] worker_user: {exc}") from None
+    refusal = switch_refusal(identity)
+    if refusal:
+        raise ConfigError(f"[job] worker_user = {job.worker_user!r}: {refusal}")
+    needs = [(config.checkpoint.dir, "rwx", "[checkpoint] dir"),
+             (config.recovery.secret_file, "r", "[recovery] secret_file")]
+    for path, modes, key in needs:
+        place = _existing(path) if path else None
+        if place and not worker_can(identity, place, modes if place == path else "wx"):
+            raise ConfigError(
+                f"{key} = {path!r}: the workers' user {job.worker_user!r} cannot "
+                f"{'read' if modes == 'r' else 'write'} {place}; give its group "
+                f"(gid {identity.gid}) access (chgrp {identity.gid} {place}; chmod "
+                f"{'g+r' if modes == 'r' else 'g+rwx'} {place})")
+    return identity
+
+
+def _existing(path: str) -> str | None:
+    """``path`` or, where it is not made yet, its nearest existing parent."""
+    for place in (Path(path), *Path(path).parents):
+        if place.exists():
+            return str(place)
+    return None
 
 
 def check_secret_file(recovery: RecoveryConfig) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elasticd.agent import RunFiles, warm_capable, worker_env
-from elasticd.config import Config
+from elasticd.config import Config, check_worker_user
 from elasticd.warmstart import WarmHost
 
 
@@ -40,12 +40,16 @@ class Prestart:
 
 def prepare(config: Config) -> Prestart:
     """The node's run directory (made when ``[node] run_dir`` is unset) and its warm host,
-    not yet started."""
+    not yet started. With ``[job] worker_user`` (checked here: ``ConfigError``) the run
+    directory and torchrun's log directory are opened to the workers' group."""
+    workers = check_worker_user(config)
     temp = not config.node.run_dir
     run_dir = config.node.run_dir or tempfile.mkdtemp(prefix=f"elasticd-{config.node.id}-")
     log_dir = Path(config.node.log_dir) if config.node.log_dir else None
-    files = RunFiles(Path(run_dir), log_dir)
-    files.run_dir.mkdir(parents=True, exist_ok=True)
+    files = RunFiles(Path(run_dir), log_dir, workers)
+    files.make_shared(files.run_dir)
+    if workers is not None:   # torchrun's error files are written by the workers
+        files.make_shared(files.torchrun_logs)
     warm = WarmHost(config.job.python or sys.executable, files.warm_socket, files.warm_log,
                     config.job.warm_imports) if warm_capable(config) else None
     return Prestart(files, temp, warm)

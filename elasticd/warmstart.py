@@ -58,6 +58,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from elasticd.contract.identity import WORKER_USER_VAR, WorkerIdentity, become_worker, requested
+
 # What a trainer worker imports before its first step (the expensive part of a start).
 DEFAULT_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
                    "numpy", "structlog", "trainer.loop", "trainer.examples.common",
@@ -240,9 +242,11 @@ def run_worker(request: dict[str, Any], fds: list[int], default_threads: int | N
         if fd > 2:
             os.close(fd)
     _parent_death_kills_me()
-    os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    if request.get("user"):   # [job] worker_user: the script runs as that user, uncapable
+        become_worker(WorkerIdentity.decode(request["user"]), os.environ)
+    os.chdir(request["cwd"])
     _thread_settings(default_threads)
     argv = list(request["argv"])
     module = argv[1] if argv[0] == "-m" and len(argv) > 1 else None
@@ -343,7 +347,8 @@ def client(socket_path: str, argv: list[str]) -> None:
     for sig in FORWARDED:
         signal.signal(sig, lambda s, _f: _forward(worker[0], s) if worker else held.append(s))
     try:
-        _conn, reader, pid = _request(socket_path, argv, dict(os.environ), os.getcwd(), [0, 1, 2])
+        _conn, reader, pid = _request(socket_path, argv, dict(os.environ), os.getcwd(), [0, 1, 2],
+                                      user=os.environ.get(WORKER_USER_VAR))
         worker.append(pid)
     except (OSError, ValueError, KeyError, TypeError):
         if held:
@@ -356,15 +361,18 @@ def client(socket_path: str, argv: list[str]) -> None:
 
 
 def _request(socket_path: str, argv: list[str], env: Mapping[str, str], cwd: str,
-             fds: list[int], timeout: float | None = None) -> tuple[socket.socket, Any, int]:
+             fds: list[int], timeout: float | None = None,
+             user: str | None = None) -> tuple[socket.socket, Any, int]:
     """Ask the server to fork ``argv`` with ``fds`` as its 0, 1 and 2: the connection
     (the child lives while it is open), its reader (the exit line comes there) and the
-    pid. ``timeout`` bounds the wait for the pid (None: as long as the server's imports)."""
+    pid. ``timeout`` bounds the wait for the pid (None: as long as the server's imports).
+    ``user``: the identity the child takes before it runs ``argv`` (a worker's; the
+    agent, which holds the etcd credentials, keeps the server's)."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.settimeout(timeout)
         conn.connect(socket_path)
-        request = {"argv": argv, "env": dict(env), "cwd": cwd}
+        request = {"argv": argv, "env": dict(env), "cwd": cwd, "user": user}
         socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], fds)
         reader = conn.makefile("rb")
         pid = int(json.loads(reader.readline() or b"{}")["pid"])
@@ -454,6 +462,9 @@ def _exit_like(code: int) -> None:
 
 
 def _cold(argv: list[str]) -> None:
+    identity = requested()
+    if identity is not None:
+        become_worker(identity, os.environ)
     os.execv(sys.executable, [sys.executable, "-u", *argv])
 
 

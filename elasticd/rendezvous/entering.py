@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from elasticd.contract.files import write_atomic
 from elasticd.contract.generation import GenerationId, GenerationRecordError
 from elasticd.contract.settings import ENTER_FILE_ENV, JOINING_ENV
 
@@ -64,9 +65,7 @@ class Entry:
 
 def write_entry(path: Path, generation: GenerationId) -> None:
     """The daemon's side: create the enter file (atomically) before the agent starts."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(Entry(generation).to_json())
-    os.replace(tmp, path)
+    write_atomic(path, Entry(generation).to_json())
 
 
 def take_entry() -> Entry | None:
