@@ -325,8 +325,10 @@ def check_worker_user(config: Config) -> WorkerIdentity | None:
     refusal = switch_refusal(identity)
     if refusal:
         raise ConfigError(f"[job] worker_user = {job.worker_user!r}: {refusal}")
+    script = job.entrypoint[0] if not job.entrypoint[0].startswith("-") else ""
     needs = [(config.checkpoint.dir, "rwx", "[checkpoint] dir"),
-             (config.recovery.secret_file, "r", "[recovery] secret_file")]
+             (config.recovery.secret_file, "r", "[recovery] secret_file"),
+             (script, "r", "[job] entrypoint")]
     for path, modes, key in needs:
         place = _existing(path) if path else None
         if place and not worker_can(identity, place, modes if place == path else "wx"):

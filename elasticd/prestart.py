@@ -13,14 +13,20 @@ them. This module imports nothing that imports torch (``tests/test_layers.py``).
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+
 from elasticd.agent import RunFiles, warm_capable, worker_env
 from elasticd.config import Config, check_worker_user
+from elasticd.contract.identity import WorkerIdentity, worker_can
 from elasticd.warmstart import WarmHost
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -43,6 +49,8 @@ def prepare(config: Config) -> Prestart:
     not yet started. With ``[job] worker_user`` (checked here: ``ConfigError``) the run
     directory and torchrun's log directory are opened to the workers' group."""
     workers = check_worker_user(config)
+    if workers is not None:
+        _say_what_the_workers_cannot_import(workers)
     temp = not config.node.run_dir
     run_dir = config.node.run_dir or tempfile.mkdtemp(prefix=f"elasticd-{config.node.id}-")
     log_dir = Path(config.node.log_dir) if config.node.log_dir else None
@@ -53,3 +61,15 @@ def prepare(config: Config) -> Prestart:
     warm = WarmHost(config.job.python or sys.executable, files.warm_socket, files.warm_log,
                     config.job.warm_imports) if warm_capable(config) else None
     return Prestart(files, temp, warm)
+
+
+def _say_what_the_workers_cannot_import(workers: WorkerIdentity) -> None:
+    """A warm worker imports, as the worker user, what the server had not imported yet,
+    from the daemon's ``sys.path``: say which of its directories that user cannot read
+    (an interpreter under a private home, say), where a later import would fail."""
+    closed = [p for p in sys.path if p and os.path.isdir(p) and not worker_can(workers, p, "rx")]
+    if closed:
+        log.warning("the workers' user cannot read these import directories; a module "
+                    "imported from them after the switch fails: install the interpreter "
+                    "and packages where that user can read them (e.g. /opt/elasticd/venv)",
+                    uid=workers.uid, directories=closed)

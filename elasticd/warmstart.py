@@ -58,7 +58,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from elasticd.contract.identity import WORKER_USER_VAR, WorkerIdentity, become_worker, requested
+from elasticd.contract.identity import WORKER_USER_VAR, WorkerIdentity, become_worker, exec_worker
 
 # What a trainer worker imports before its first step (the expensive part of a start).
 DEFAULT_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
@@ -462,10 +462,7 @@ def _exit_like(code: int) -> None:
 
 
 def _cold(argv: list[str]) -> None:
-    identity = requested()
-    if identity is not None:
-        become_worker(identity, os.environ)
-    os.execv(sys.executable, [sys.executable, "-u", *argv])
+    exec_worker([sys.executable, "-u", *argv])   # as the worker user, if there is one
 
 
 class WarmHost:

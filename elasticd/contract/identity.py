@@ -10,7 +10,7 @@ training script runs, with no capability left:
   ARGS`` (``launcher_command``); it opens the worker's error file to it, then execs the
   interpreter through util-linux ``setpriv`` (``setpriv_command``);
 * a warm worker (``elasticd.warmstart``): the server's forked child switches (``enter``)
-  before it runs the script; so does the client's cold fallback.
+  before it runs the script; the client's cold fallback execs as the launcher does.
 
 Both read the identity from ``ELASTICD_WORKER_USER`` (``uid:gid:groups``), which the
 daemon puts in the workers' environment: it tells a process what to become, it grants
@@ -38,6 +38,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 WORKER_USER_VAR = "ELASTICD_WORKER_USER"
 SETPRIV = "/usr/bin/setpriv"
@@ -239,22 +240,27 @@ def worker_can(identity: WorkerIdentity, path: str, modes: str = "rwx") -> bool:
     return subprocess.run(setpriv_command(identity, test), check=False).returncode == 0
 
 
+def exec_worker(command: list[str]) -> NoReturn:
+    """Replace this process with ``command``, run as the identity ``ELASTICD_WORKER_USER``
+    names (its error file opened to it, its ``HOME``, through ``setpriv``), or as this
+    process's user when it names none. ``IdentityError`` for a malformed variable."""
+    identity = requested()
+    if identity is None:
+        os.execvp(command[0], command)
+    open_error_file(os.environ, identity)
+    _home(identity, os.environ)
+    os.execv(SETPRIV, setpriv_command(identity, command))
+
+
 def main(argv: list[str] | None = None) -> None:
-    """The cold launcher: ``python -m elasticd.contract.identity PROGRAM ARGS...`` runs
-    PROGRAM as the identity ``ELASTICD_WORKER_USER`` names (through ``setpriv``), or as
-    itself when it names none."""
+    """The cold launcher: ``python -m elasticd.contract.identity PROGRAM ARGS...``."""
     args = sys.argv[1:] if argv is None else argv
     if not args:
         sys.exit("usage: python -m elasticd.contract.identity PROGRAM [ARGS...]")
     try:
-        identity = requested()
+        exec_worker(args)
     except IdentityError as exc:
         sys.exit(f"elasticd: cannot run the worker as its user: {exc}")
-    if identity is None:
-        os.execvp(args[0], args)
-    open_error_file(os.environ, identity)
-    _home(identity, os.environ)
-    os.execv(SETPRIV, setpriv_command(identity, args))
 
 
 if __name__ == "__main__":
