@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import socket
 import subprocess
@@ -62,7 +63,10 @@ def test_healthy_local_setup_every_line_ok(etcd_server, job_id, tmp_path):
                       f'[recovery]\nsecret_file = "{secret}"\n')
     code, lines = run(config)
     assert code == 0, "\n".join(lines)
-    assert lines and all(line.startswith("ok ") for line in lines), "\n".join(lines)
+    # Every line ok but the worker user's (tests/daemon/test_identity.py sets one up: it
+    # needs directories outside pytest's 0700 tmp_path).
+    assert lines and all(line.startswith("ok ") or "no [job] worker_user" in line
+                         for line in lines), "\n".join(lines)
     text = "\n".join(lines)
     for expected in ("config", f"etcd {etcd_server.endpoint}", f"/elasticd/{job_id}/doctor/node-a",
                      "writable", "GiB free", "checkpoint dir the same on every node", "clock:",
@@ -100,6 +104,20 @@ def test_the_jobs_secret_missing_is_a_warning_and_unusable_a_failure(etcd_server
     code, lines = run(config)
     failed = lines_with(lines, "FAIL")
     assert code != 0 and len(failed) == 1 and f"chmod 600 {secret}" in failed[0], lines
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root here")
+def test_no_worker_user_is_a_warning_and_one_that_cannot_write_checkpoints_a_failure(
+        etcd_server, job_id, tmp_path):
+    config = write_config(tmp_path, etcd_server.endpoint, job_id)
+    code, lines = run(config)
+    assert code == 0 and any("no [job] worker_user" in w for w in lines_with(lines, "warn")), lines
+    # pytest's tmp_path is in a 0700 directory: nobody cannot reach the checkpoint dir.
+    config.write_text(config.read_text().replace("[job]\n", '[job]\nworker_user = "nobody"\n', 1))
+    code, lines = run(config)
+    failed = lines_with(lines, "FAIL")
+    assert code != 0 and len(failed) == 1, lines
+    assert "[checkpoint] dir" in failed[0] and "cannot write" in failed[0] and "chgrp" in failed[0]
 
 
 def test_config_error_is_one_fail_line(tmp_path):
@@ -269,7 +287,8 @@ def test_a_peer_clock_ahead_is_a_warning(etcd_server, job_id, tmp_path):
     finally:
         client.close()
     assert code == 0, lines
-    warned = [w for w in lines_with(lines, "warn") if "secret_file" not in w]
+    warned = [w for w in lines_with(lines, "warn") if "secret_file" not in w
+              and "worker_user" not in w]
     assert len(warned) == 1 and re.search(r"records in our future: node-z by (59|60)\.\d s", warned[0]), lines
     assert "NTP" in warned[0]
 

@@ -111,6 +111,7 @@ def _run(path: Path, env: dict[str, str] | None, report: Callable[[Check], None]
     report(_torch_check())
     if config is not None:
         report(_secret_check(config))
+        report(_worker_user_check(config))
         for check in _port_checks(config):
             report(check)
     report(_entry_point_check(config.job.python if config is not None else None))
@@ -133,6 +134,24 @@ def _secret_check(config: Any) -> Check:
         return fail(str(exc), "the fix named above; the daemon does not start without it")
     return ok(f"the job's secret {path} is usable (mode and length; the same file must be on "
               "every node)")
+
+
+def _worker_user_check(config: Any) -> Check:
+    """``[job] worker_user``: usable, as the daemon checks it at its start; unset is a
+    warning (the training code can then read the daemon's etcd credentials)."""
+    from elasticd.config import check_worker_user
+
+    user = config.job.worker_user
+    if not user:
+        return warn("no [job] worker_user: the workers run as the daemon's user and can read "
+                    "its etcd credentials", "create an unprivileged user for the training code "
+                    "and set [job] worker_user (deploy/README.md, docs/security.md)")
+    try:
+        identity = check_worker_user(config)
+    except ConfigError as exc:
+        return fail(str(exc), "the fix named above; the daemon does not start without it")
+    return ok(f"the workers run as {user} (uid {identity.uid}, gid {identity.gid}) and can use "
+              "the checkpoint directory, the job's secret and the entrypoint")
 
 
 @contextlib.contextmanager
