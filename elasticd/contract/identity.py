@@ -210,12 +210,16 @@ def become_worker(identity: WorkerIdentity, env: dict[str, str] | None = None) -
 
 
 def share(path: Path, identity: WorkerIdentity, *, sticky: bool = True) -> None:
-    """Make directory ``path`` the workers' too: their group, group-writable, new files
-    inheriting the group (setgid). ``sticky``: nobody removes or renames another user's
-    files in it, so a worker cannot swap a file of the daemon's (the warm socket)."""
+    """Make directory ``path`` the workers' too: their group, group-writable. ``sticky``:
+    nobody removes or renames another user's files in it, so a worker cannot swap a file
+    of the daemon's (the warm socket).
+
+    No set-group-ID bit (systemd's ``RestrictSUIDSGID=`` refuses it): a file keeps its
+    creator's group, so the daemon's files are the workers' group's where that group is
+    the daemon's own (the shipped unit's ``Group=``), and a worker's file is that group's
+    anyway."""
     os.chown(path, -1, identity.gid)
-    mode = stat.S_IRWXU | stat.S_IRWXG | stat.S_ISGID | (stat.S_ISVTX if sticky else 0)
-    os.chmod(path, mode)
+    os.chmod(path, stat.S_IRWXU | stat.S_IRWXG | (stat.S_ISVTX if sticky else 0))
 
 
 def setpriv_command(identity: WorkerIdentity, command: list[str]) -> list[str]:

@@ -275,6 +275,17 @@ def checkpoint_dir_failures(config: Any) -> list[Check]:
     return [c for c in found if c.failed]
 
 
+def _open_to_the_workers(config: Any, path: Path) -> None:
+    """A checkpoint dir made here is the workers' to write too (``[job] worker_user``:
+    rank 0's worker commits there); a user that does not resolve is reported by
+    ``_worker_user_check``."""
+    from elasticd.contract.identity import IdentityError, resolve, share
+
+    if config.job.worker_user:
+        with contextlib.suppress(IdentityError):
+            share(path, resolve(config.job.worker_user, config.job.worker_group), sticky=False)
+
+
 def _checkpoint_dir_checks(config: Any, report: Callable[[Check], None]) -> str | None:
     """Exists or can be created, writable, free space; returns the dir id (None on failure)."""
     path = Path(config.checkpoint.dir)
@@ -288,6 +299,7 @@ def _checkpoint_dir_checks(config: Any, report: Callable[[Check], None]) -> str 
         try:
             path.mkdir(parents=True, exist_ok=True)
             created = True
+            _open_to_the_workers(config, path)
         except OSError as exc:
             report(fail(f"checkpoint dir {path} does not exist and cannot be created as {user}: "
                         f"{exc.strerror or exc}",

@@ -140,6 +140,9 @@ def test_parsed_user_data(user_data):
     assert "default" in doc["users"]   # keep the image's login user
     assert users["elasticd"]["homedir"] == "/var/lib/elasticd"
     assert isinstance(users["elasticd"]["uid"], int)
+    # The training code's own user ([job] worker_user), a uid of its own.
+    assert users["elasticd-worker"]["homedir"] == "/var/lib/elasticd-worker"
+    assert users["elasticd-worker"]["uid"] != users["elasticd"]["uid"]
     assert "python3-venv" in doc["packages"]
 
 

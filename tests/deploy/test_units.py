@@ -123,13 +123,31 @@ def test_elasticd_unit_runs_the_daemon_as_systemd_expects():
         f"{ELASTICD_EXEC} run --config /etc/elasticd/elasticd.toml")
     assert one(unit, "Service", "ExecReload") == "/bin/kill -HUP $MAINPID"   # SIGHUP reload
     assert one(unit, "Service", "EnvironmentFile") == "-/etc/elasticd/elasticd.env"
-    assert one(unit, "Service", "User") == "elasticd" and one(unit, "Service", "Group") == "elasticd"
+    assert one(unit, "Service", "User") == "elasticd"
     assert one(unit, "Service", "Restart") == "always"
     assert seconds(one(unit, "Service", "RestartSec")) > 0
     # exit 0 = completed or deliberately drained: restarting would rejoin the job.
     assert one(unit, "Service", "RestartPreventExitStatus") == "0 3"   # 3 = node failed
     assert 10 <= seconds(one(unit, "Service", "WatchdogSec")) <= 120
     assert "WATCHDOG_USEC" not in " ".join(svc.get("Environment", []))
+
+
+@pytest.mark.parametrize("config", [c for c in CONFIGS if "dev" not in c.name], ids=lambda c: c.name)
+def test_the_unit_runs_the_workers_as_their_own_user_with_no_more_than_that_takes(config):
+    """Issue 27: the shipped configs run the training code as elasticd-worker; the unit
+    gives the daemon that user's group as its own (their files are each other's) and
+    the key files' group beside it, and exactly the capabilities switching and signalling
+    another user's processes take; it can see those processes (not ProtectProc=invisible)."""
+    unit = parse_unit(UNITS / "elasticd.service")
+    worker = tomllib.loads(config.read_text())["job"]["worker_user"]
+    assert worker == "elasticd-worker"
+    assert one(unit, "Service", "Group") == worker
+    assert one(unit, "Service", "SupplementaryGroups") == "elasticd"
+    needed = {"CAP_SETUID", "CAP_SETGID", "CAP_KILL"}
+    assert set(one(unit, "Service", "AmbientCapabilities").split()) == needed
+    assert set(one(unit, "Service", "CapabilityBoundingSet").split()) == needed
+    assert one(unit, "Service", "ProtectProc") != "invisible"
+    assert "/var/lib/elasticd-worker" in writable_paths(unit)   # the workers' HOME
 
 
 def test_elasticd_unit_lets_the_drain_finish():
