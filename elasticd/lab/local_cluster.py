@@ -60,7 +60,7 @@ def write_config(path: Path, *, job: str, node: str, endpoint: str, run_dir: Pat
                  lease_ttl_s: int = 5, every_steps: int = 20, extra: str = "",
                  sections: str = "", recovery: str | None = None, addr: str = "127.0.0.1",
                  warm_start: bool = True, secret_file: Path | None = None,
-                 worker_user: str = "") -> Path:
+                 worker_user: str = "", python: str = "") -> Path:
     """A node's TOML config; ``extra`` lines go into [supervisor], ``sections`` at the end.
 
     ``endpoint``: one etcd endpoint, or several comma-separated (every member of a cluster).
@@ -70,7 +70,8 @@ def write_config(path: Path, *, job: str, node: str, endpoint: str, run_dir: Pat
     address the node binds and advertises. ``warm_start``: ``[job] warm_start`` (False: every
     worker of the node starts cold). ``secret_file``: ``[recovery] secret_file`` (the job's
     secret). ``worker_user``: ``[job] worker_user`` (the workers' Unix user; "": the
-    daemon's).
+    daemon's). ``python``: ``[job] python`` (torchrun's and the workers' interpreter; "":
+    the daemon's).
     """
     entry = entrypoint or [MLP, *TRAIN_ARGS]
     if recovery is not None:
@@ -88,6 +89,7 @@ nproc_per_node = 1
 entrypoint = {json.dumps(entry)}
 warm_start = {json.dumps(warm_start)}
 worker_user = {json.dumps(worker_user)}
+{f"python = {json.dumps(python)}" if python else ""}
 
 [etcd]
 endpoints = {json.dumps(endpoint.split(","))}
