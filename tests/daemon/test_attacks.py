@@ -7,14 +7,20 @@ for it, training goes on.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
+from elasticd import proctree
 from elasticd.contract.generation import GenerationId, GenerationRecord, renumber
 from elasticd.rendezvous import admin
 from elasticd.rendezvous.keys import JobKeys
+from tests.daemon.runs import by_rank, completed, entry, matches_the_replay, progress_records, world_of_three
 from tests.daemon_nodes import DaemonNode, log_lines, nodes_and_client, stepping_at, wait_for
 from trainer.inplace import ARRIVED_KEY
 
@@ -129,3 +135,62 @@ def test_a_forged_generation_record_puts_no_foreign_member_in_the_group(
 def _refused(node: DaemonNode) -> list[dict]:
     return [e for e in log_lines(node) if e.get("event", "").startswith(
         "not handing our workers an agreed generation")]
+
+
+INTRUDER = str(Path(__file__).resolve().parents[1] / "workers" / "store_intruder.py")
+
+
+@pytest.mark.slow
+def test_a_host_that_reaches_the_store_puts_nothing_of_its_own_into_the_job(
+        tmp_path, job_id, etcd_server, cluster):
+    # Finding 4: the recovery store is open to whoever reaches its port, and the next
+    # generation's prefix is predictable. An intruder joins the group the survivors of a
+    # loss will form, as the rank the other survivor is to take, before any of them comes.
+    # With the job's secret (every lab cluster has one) it cannot prove itself: whatever
+    # gloo lets it do, the re-form ends (the restart path) before any state moves, the job
+    # completes and its final checkpoint is the replay's: nothing of the intruder's in it.
+    nodes, client = cluster
+    final = 120
+    keys = JobKeys(job_id)
+
+    def start(name: str) -> DaemonNode:
+        node = DaemonNode(name, etcd_server.endpoint, job_id, tmp_path, {
+            # min_nodes 2: where the proof ends the re-form, the restart path's round must
+            # be able to form with the two survivors.
+            "entrypoint": entry(final), "every_steps": 10, "min_nodes": 2}).start()
+        nodes.append(node)
+        return node
+
+    three = world_of_three(start)
+    holder = by_rank(three, True)
+    victim = next(n for n in three if n is not holder)
+    survivors = [n for n in three if n is not victim]
+    coming = GenerationId.from_dict(holder.progress()["generation"]).next()
+    store = json.loads(client.get(keys.node(holder.name)).value)["store"]
+    report = tmp_path / "intruder.json"
+    intruder = subprocess.Popen([sys.executable, INTRUDER, store, coming.store_prefix, "1", "2",
+                                 str(report)], start_new_session=True)
+    try:
+        wait_for(lambda: report.exists(), 60, "the intruder at the store", nodes)
+        crash = time.time()
+        victim.kill()
+        wait_for(lambda: stepping_at(survivors, 2, crash), 90, "a world of 2 after the loss", nodes)
+        completed(survivors)
+    finally:
+        proctree.kill_tree(intruder.pid)
+        intruder.wait()
+    seen = json.loads(report.read_text())
+    print("intruder:", seen)
+    assert seen["arrived"] >= 1   # it reached the store and counted itself in
+    matches_the_replay(holder if holder in survivors else by_rank(survivors, True),
+                       tmp_path / "ckpt", final)
+    failed = [(n.name, r["reason"]) for n in survivors for r in progress_records(n)
+              if r["event"] == "reform-failed"]
+    print("re-forms that failed:", failed)
+    refused = [f for f in failed if "did not prove the job's secret" in f[1]]
+    # Seen: the members formed first and the intruder waited at the store; or its gloo
+    # init completed beside theirs and its first collective was reset while the members'
+    # group re-formed without it. Where it shares a collective with them, the proof is
+    # what keeps it out.
+    if seen.get("gathered"):
+        assert refused, "the intruder took part in the group's collective and nobody refused it"
