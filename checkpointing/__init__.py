@@ -14,6 +14,7 @@ from .errors import (
 )
 from .manager import CheckpointManager
 from .manifest import FileEntry, Manifest
+from .object_storage import ObjectStorage, open_storage
 from .reader import LoadedCheckpoint
 from .storage import AtomicWrite, LocalStorage, Storage
 
@@ -28,6 +29,7 @@ __all__ = [
     "LoadedCheckpoint",
     "LocalStorage",
     "Manifest",
+    "ObjectStorage",
     "StaleGenerationError",
     "Storage",
     "StorageError",
@@ -35,4 +37,5 @@ __all__ = [
     "StorageNotFoundError",
     "StoragePermissionError",
     "UnsupportedStateError",
+    "open_storage",
 ]

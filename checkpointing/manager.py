@@ -30,10 +30,11 @@ from .errors import (
 )
 from .fence import Generation, raise_fence
 from .manifest import validate_metadata
+from .object_storage import open_storage
 from .reader import LoadedCheckpoint, load_verified, read_manifest, step_dirs_newest_first
 from .retention import Cleaner, StalePolicy
 from .snapshot import Snapshotter, host_view
-from .storage import LocalStorage, Storage
+from .storage import Storage
 from .writer import write_checkpoint
 
 log = structlog.get_logger(__name__)
@@ -99,7 +100,9 @@ class CheckpointManager:
         (default: torch.distributed's, else $WORLD_SIZE, else 1). pin_memory: pinned
         snapshot buffers (default: when CUDA is available). stale_temp_seconds: age after
         which an unmodified temp file of a live or remote writer counts as abandoned.
-        `storage` replaces the local directory (then `directory` is only a label).
+        `directory` is a path, or a bucket URL (``s3://bucket/prefix``, ``gs://...``:
+        ``object_storage.ObjectStorage``, credentials from the environment or the
+        instance role). `storage` replaces either (then `directory` is only a label).
         read_only: for ranks that only load: no write probe, no cleanup, save() refused.
         generation, generation_epoch: the writer's world (ELASTICD_GENERATION and
         ELASTICD_GENERATION_EPOCH, set by the etcd3 rendezvous plugin). A writer with a
@@ -118,7 +121,7 @@ class CheckpointManager:
             )
         self.keep_last = keep_last
         self.directory = os.fspath(directory)
-        self.storage: Storage = storage if storage is not None else LocalStorage(directory)
+        self.storage: Storage = storage if storage is not None else open_storage(directory)
         self._world_size = world_size
         self._snapshotter = Snapshotter(pin_memory)
         self._job: _Job | None = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,40 @@ def job_id(request) -> str:
     # digest of the whole test id.
     digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:8]
     return f"{safe}-{digest}-{os.getpid()}"
+
+
+@pytest.fixture(scope="session")
+def object_store():
+    """A real S3-compatible server (SeaweedFS) on 127.0.0.1 for the whole session, and an
+    environment that points s3fs at it (credentials and endpoint as a node's would come:
+    from the environment, never from etcd)."""
+    from elasticd.lab.object_store import ObjectStore
+
+    store = ObjectStore().start()
+    saved = {k: os.environ.get(k) for k in _S3_ENV}
+    os.environ.update({"AWS_ACCESS_KEY_ID": "elasticd", "AWS_SECRET_ACCESS_KEY": "elasticd",
+                       "AWS_ENDPOINT_URL": store.endpoint, "AWS_DEFAULT_REGION": "us-east-1"})
+    try:
+        yield store
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        store.stop()
+
+
+_S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
+
+
+@pytest.fixture(scope="session")
+def test_bucket(object_store) -> str:
+    """The session's bucket (a bucket costs the server volumes; a prefix costs nothing)."""
+    return object_store.make_bucket("elasticd-tests")
+
+
+@pytest.fixture
+def bucket(test_bucket) -> str:
+    """A URL of its own in the session's bucket, for one test."""
+    return f"{test_bucket}/{uuid.uuid4().hex[:16]}/ckpt"
