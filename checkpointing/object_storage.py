@@ -27,16 +27,12 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO
 
+from elasticd.contract.locations import is_url
+
 from .errors import StorageError, StorageNotFoundError, StoragePermissionError
 from .storage import LocalStorage, Storage
 
 _PROBE_PREFIX = ".elasticd-probe-"
-
-
-def is_url(location: str | os.PathLike[str]) -> bool:
-    """A location with a scheme other than ``file`` (``s3://bucket/prefix``, ``gs://...``)."""
-    text = os.fspath(location)
-    return "://" in text and not text.startswith("file://")
 
 
 def open_storage(location: str | os.PathLike[str],

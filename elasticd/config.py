@@ -26,6 +26,7 @@ from elasticd.contract.identity import (
     switch_refusal,
     worker_can,
 )
+from elasticd.contract.locations import is_url
 from elasticd.contract.secret import SecretError, read_secret
 from elasticd.contract.settings import (
     DEFAULT_LR_RULE,
@@ -341,7 +342,10 @@ def check_worker_user(config: Config) -> WorkerIdentity | None:
 
 
 def _existing(path: str) -> str | None:
-    """``path`` or, where it is not made yet, its nearest existing parent."""
+    """``path`` or, where it is not made yet, its nearest existing parent; None for a
+    bucket URL (object storage has no Unix permissions to check)."""
+    if is_url(path):
+        return None
     for place in (Path(path), *Path(path).parents):
         if place.exists():
             return str(place)

@@ -253,8 +253,9 @@ class CheckpointScanner:
 def newest_committed_step(directory: str) -> int | None:
     """The newest committed checkpoint's step (manifests only, no tensors), or None."""
     from checkpointing import CheckpointError, CheckpointManager
+    from elasticd.contract.locations import is_url
 
-    if not os.path.isdir(directory):
+    if not is_url(directory) and not os.path.isdir(directory):
         return None
     try:
         return CheckpointManager(directory, read_only=True).latest_step()

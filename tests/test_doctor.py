@@ -336,3 +336,25 @@ def test_malformed_dir_id_file(etcd_server, job_id, tmp_path):
     assert code == 1
     failed = lines_with(lines, "FAIL")
     assert len(failed) == 1 and doctor.DIR_ID_FILE in failed[0] and "delete" in failed[0], lines
+
+
+def test_a_bucket_checkpoint_dir_is_checked_as_a_bucket(etcd_server, job_id, tmp_path, bucket,
+                                                        object_store):
+    """Issue 28: [checkpoint] dir = s3://...: reachable, writable, listable, its id object
+    made once and read after; a bucket that does not exist fails with the fix. Nothing is
+    made on the local disk."""
+    config = write_config(tmp_path, etcd_server.endpoint, job_id, ckpt=bucket)
+    code, lines = run(config)
+    assert code == 0, "\n".join(lines)
+    text = "\n".join(lines)
+    assert f"checkpoint bucket {bucket}: reachable, writable (put, read back, delete), listable" in text
+    made = next(line for line in lines if "checkpoint dir id" in line)
+    assert "made now" in made
+    code, lines = run(config)
+    assert code == 0 and any("checkpoint dir id" in x and "read from" in x for x in lines), lines
+    assert not (Path.cwd() / "s3:").exists()
+    missing = write_config(tmp_path, etcd_server.endpoint, job_id, ckpt="s3://no-such-bucket-x/ckpt",
+                           name="missing.toml")
+    code, lines = run(missing)
+    failed = lines_with(lines, "FAIL")
+    assert code != 0 and len(failed) == 1 and "create the bucket" in failed[0], lines

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -286,8 +287,68 @@ def _open_to_the_workers(config: Any, path: Path) -> None:
             share(path, resolve(config.job.worker_user, config.job.worker_group), sticky=False)
 
 
+def _bucket_checks(config: Any, report: Callable[[Check], None]) -> str | None:
+    """``[checkpoint] dir`` in object storage: reachable, writable (a put, a read back, a
+    delete), listable, and its id object; returns the id (None on failure)."""
+    from checkpointing import StorageError, StorageNotFoundError, StoragePermissionError
+    from checkpointing.object_storage import open_storage
+
+    url = config.checkpoint.dir
+    storage = open_storage(url)
+    try:
+        storage.check_writable()
+        storage.listdir()
+    except StorageNotFoundError as exc:
+        report(fail(f"checkpoint bucket {url}: {exc}", "create the bucket (aws s3 mb, gcloud "
+                    "storage buckets create) or fix [checkpoint] dir"))
+        return None
+    except StoragePermissionError as exc:
+        report(fail(f"checkpoint bucket {url}: {exc}", "create the bucket if it does not exist "
+                    "(a store may answer a missing bucket with access denied), and give this "
+                    "node's credentials put, get, delete and list on the bucket and prefix "
+                    "(s3:PutObject, GetObject, DeleteObject, ListBucket)"))
+        return None
+    except StorageError as exc:
+        report(fail(f"checkpoint bucket {url}: {exc}", "check the endpoint (AWS_ENDPOINT_URL for "
+                    "a non-AWS store), the network and the credentials in the environment or "
+                    "the instance role"))
+        return None
+    report(ok(f"checkpoint bucket {url}: reachable, writable (put, read back, delete), listable"))
+    try:
+        dir_id, made = _bucket_id(storage)
+    except StorageError as exc:
+        report(fail(f"checkpoint bucket {url}: the id object {DIR_ID_FILE} cannot be read or "
+                    f"made: {exc}", f"delete {url}/{DIR_ID_FILE} and run elasticd doctor again"))
+        return None
+    report(ok(f"checkpoint dir id {dir_id} ({'made now' if made else 'read'} from "
+              f"{url}/{DIR_ID_FILE})"))
+    return dir_id
+
+
+def _bucket_id(storage: Any) -> tuple[str, bool]:
+    """The bucket prefix's id object, made if absent (a race of two first nodes leaves the
+    later put's id, which both then read on their next run)."""
+    from checkpointing import StorageNotFoundError
+
+    with contextlib.suppress(StorageNotFoundError):
+        with storage.open_read(DIR_ID_FILE) as f:
+            text = f.read().decode(errors="replace").strip()
+        if re.fullmatch(r"[0-9a-f]{16,64}", text):
+            return text, False
+    dir_id = secrets.token_hex(8)
+    with storage.open_write(DIR_ID_FILE) as out:
+        out.write(f"{dir_id}\n".encode())
+        out.commit()
+    return dir_id, True
+
+
 def _checkpoint_dir_checks(config: Any, report: Callable[[Check], None]) -> str | None:
-    """Exists or can be created, writable, free space; returns the dir id (None on failure)."""
+    """Exists or can be created, writable, free space; returns the dir id (None on failure).
+    A bucket URL gets the bucket's checks instead (``_bucket_checks``)."""
+    from elasticd.contract.locations import is_url
+
+    if is_url(config.checkpoint.dir):
+        return _bucket_checks(config, report)
     path = Path(config.checkpoint.dir)
     user = _user_name()
     if path.exists() and not path.is_dir():
