@@ -90,7 +90,7 @@ def resumed_where_it_stopped(node: DaemonNode, since: float) -> dict:
     return resumed
 
 
-def final_matches_replay(ckpt: Path, history: Mapping[int, Any],
+def final_matches_replay(ckpt: Path | str, history: Mapping[int, Any],
                          replayed: Callable[[], dict[str, torch.Tensor]]) -> int:
     """Every step 1..final is in ``history``, the newest checkpoint is of ``final`` and
     its model equals ``replayed()`` (the single-process replay) within 1e-9 against each
@@ -120,7 +120,7 @@ def no_crash_counted(node: DaemonNode, since: float | None = None) -> None:
     assert not [s for s in sentences if "after a crash" in s or "(failure " in s], sentences
 
 
-def matches_the_replay(node: DaemonNode, ckpt: Path, final: int) -> dict[int, tuple[int, float]]:
+def matches_the_replay(node: DaemonNode, ckpt: Path | str, final: int) -> dict[int, tuple[int, float]]:
     """``node``'s per-step history, whose replay of ``RUN`` the newest checkpoint matches."""
     history = step_history(progress_records(node))
     assert final_matches_replay(ckpt, history, lambda: replay(RUN, history)) == final
