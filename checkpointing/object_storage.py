@@ -29,6 +29,7 @@ from typing import Any, BinaryIO
 
 from elasticd.contract.locations import is_url
 
+from . import _hooks
 from .errors import StorageError, StorageNotFoundError, StoragePermissionError
 from .storage import LocalStorage, Storage
 
@@ -69,10 +70,12 @@ class _ObjectAtomicWrite:
         self._path = path
         self._spool: Any = tempfile.NamedTemporaryFile(prefix="elasticd-upload-")  # noqa: SIM115
         self._done = False
+        _hooks.phase("write.opened", path)
 
     def write(self, data: bytes | memoryview) -> int:
         with _translated("spooling", self._storage.describe(self._path)):
             self._spool.write(data)
+        _hooks.phase("write.data", self._path)
         return len(data)
 
     def commit(self) -> None:
@@ -80,7 +83,9 @@ class _ObjectAtomicWrite:
         try:
             with _translated("uploading", where):
                 self._spool.flush()
+                _hooks.phase("write.uploading", self._path)   # spooled whole, nothing put yet
                 self._storage.fs.put_file(self._spool.name, self._storage.key(self._path))
+                _hooks.phase("write.uploaded", self._path)
         finally:
             self._close()
 

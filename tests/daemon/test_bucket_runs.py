@@ -23,7 +23,8 @@ from tests.daemon.runs import (
 )
 from tests.daemon_nodes import DaemonNode, stepping_at, stop_nodes, wait_for
 
-pytestmark = pytest.mark.process
+# 50 s: in `make slow` (CI's `make test` keeps the bucket's contract and manager tests).
+pytestmark = pytest.mark.slow
 
 
 def test_a_crash_and_a_drain_resume_from_the_bucket(tmp_path, job_id, etcd_server, bucket):
