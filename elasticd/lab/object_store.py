@@ -3,12 +3,15 @@
 
 ``ObjectStore().start()`` runs its master, volume, filer and S3 gateway on free loopback
 ports with a throw-away data directory; ``stop()`` kills the process tree and removes the
-directory. ``storage_options`` are what s3fs needs to reach it (any key is accepted: the
-server runs with no identities configured). ``make_bucket`` creates one.
+directory. Two identities: ``elasticd`` may do anything (``storage_options``: what s3fs
+needs to reach the server as it), ``reader`` may only read and list
+(``options_for(READER)``: a bucket that refuses this node's writes). ``make_bucket``
+creates a bucket.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import subprocess
@@ -57,6 +60,15 @@ def _free_pair() -> int:
     raise ObjectStoreError("no free loopback port pair for SeaweedFS")
 
 
+WRITER, READER = "elasticd", "reader"   # each identity's access key and secret
+_IDENTITIES = {"identities": [
+    {"name": WRITER, "credentials": [{"accessKey": WRITER, "secretKey": WRITER}],
+     "actions": ["Admin", "Read", "List", "Tagging", "Write"]},
+    {"name": READER, "credentials": [{"accessKey": READER, "secretKey": READER}],
+     "actions": ["Read", "List"]},
+]}
+
+
 class ObjectStore:
     """One SeaweedFS server with an S3 gateway; see the module doc."""
 
@@ -72,15 +84,25 @@ class ObjectStore:
 
     @property
     def storage_options(self) -> dict[str, Any]:
-        """s3fs's settings for this server (``ObjectStorage(url, storage_options)``)."""
-        return {"key": "elasticd", "secret": "elasticd",
+        """s3fs's settings for this server as the identity that may write
+        (``ObjectStorage(url, storage_options)``)."""
+        return self.options_for(WRITER)
+
+    def options_for(self, identity: str) -> dict[str, Any]:
+        """s3fs's settings for this server as ``identity`` (WRITER or READER)."""
+        return {"key": identity, "secret": identity,
                 "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"}}
 
     def start(self) -> ObjectStore:
         master, volume, filer, self.s3_port = (_free_pair() for _ in range(4))
+        identities = self.data_dir / "s3-identities.json"
+        identities.write_text(json.dumps(_IDENTITIES))
         command = [find_weed_binary(), "server", f"-dir={self.data_dir}", "-ip=127.0.0.1",
                    "-ip.bind=127.0.0.1", f"-master.port={master}", f"-volume.port={volume}",
                    f"-filer.port={filer}", "-s3", f"-s3.port={self.s3_port}",
+                   f"-s3.config={identities}",
+                   # As S3 does: an upload to a bucket that does not exist fails.
+                   "-s3.autoCreateBucket=false",
                    # Each bucket (a collection) takes 7 volumes at once: room for a few
                    # buckets of small volumes, not one 30 GB volume each.
                    "-volume.max=64", "-master.volumeSizeLimitMB=256",

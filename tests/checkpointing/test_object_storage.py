@@ -17,6 +17,7 @@ from checkpointing import (
     Storage,
     StorageError,
     StorageNotFoundError,
+    StoragePermissionError,
     open_storage,
 )
 from checkpointing.layout import MANIFEST_NAME, step_dir
@@ -167,3 +168,22 @@ def test_an_unreachable_store_fails_at_open_naming_it_and_keeps_the_committed(bu
         CheckpointManager(bucket, storage=unreachable)
     assert CheckpointManager(bucket, read_only=True).load_latest().step == 1
     manager.close()
+
+
+def test_a_bucket_that_refuses_this_nodes_writes_is_refused_at_open_and_stays_readable(
+        bucket, object_store):
+    """Credentials that may read and list but not write (a role without s3:PutObject):
+    the manager refuses to open for writing, naming the fix; the committed checkpoint is
+    intact and loads with the same read-only credentials."""
+    from elasticd.lab.object_store import READER
+
+    writer = CheckpointManager(bucket)
+    writer.save(1, make_state(1))
+    writer.wait()
+    writer.close()
+    reader = ObjectStorage(bucket, object_store.options_for(READER))
+    with pytest.raises(StoragePermissionError, match="read and write access"):
+        CheckpointManager(bucket, storage=reader)
+    loaded = CheckpointManager(bucket, storage=reader, read_only=True).load_latest()
+    assert loaded.step == 1
+    assert_same(loaded.state, make_state(1))
