@@ -162,3 +162,18 @@ def test_bucket(object_store) -> str:
 def bucket(test_bucket) -> str:
     """A URL of its own in the session's bucket, for one test."""
     return f"{test_bucket}/{uuid.uuid4().hex[:16]}/ckpt"
+
+
+@pytest.fixture
+def open_dir():
+    """A directory every user can enter, removed after the test: pytest's tmp_path sits in
+    a 0700 one, which a worker running as another user cannot reach."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="elasticd-open-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -10,11 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,17 +48,6 @@ print(json.dumps({"uid": os.getresuid(), "gid": os.getresgid(), "groups": os.get
                   "caps": capabilities(), "home": os.environ.get("HOME"), "cwd": os.getcwd()}),
       flush=True)
 """
-
-
-@pytest.fixture
-def open_dir() -> Iterator[Path]:
-    """A directory every user can enter (pytest's tmp_path sits in a 0700 one)."""
-    path = Path(tempfile.mkdtemp(prefix="elasticd-identity-"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -67,14 +64,9 @@ class UnitDaemon(DaemonNode):
 
 
 @pytest.fixture
-def root() -> Iterator[Path]:
-    """A cluster root the worker user can enter (pytest's tmp_path sits in a 0700 dir)."""
-    path = Path(tempfile.mkdtemp(prefix="elasticd-worker-user-"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+def root(open_dir) -> Path:
+    """A cluster root the worker user can enter (``open_dir``, tests/conftest.py)."""
+    return open_dir
 
 
 def _shipped_layout(root: Path, keys_gid: int = 0) -> tuple[list[Path], Path]:
