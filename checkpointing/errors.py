@@ -40,6 +40,11 @@ class StorageNotFoundError(StorageError):
     """The object does not exist (ENOENT)."""
 
 
+class StorageConflictError(StorageError):
+    """A conditional commit found another object than it expected under its name (another
+    writer committed there meanwhile); what that writer committed is left as it is."""
+
+
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint failed verification: `path` names the file, `reason` says what is wrong."""
 

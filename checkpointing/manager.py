@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -35,7 +34,7 @@ from .reader import LoadedCheckpoint, load_verified, read_manifest, step_dirs_ne
 from .retention import Cleaner, StalePolicy
 from .snapshot import Snapshotter, host_view
 from .storage import Storage
-from .writer import write_checkpoint
+from .writer import WriteReport, write_checkpoint
 
 log = structlog.get_logger(__name__)
 
@@ -126,6 +125,9 @@ class CheckpointManager:
         self._snapshotter = Snapshotter(pin_memory)
         self._job: _Job | None = None
         self._lock = threading.Lock()
+        # The newest committed write's figures (bytes, seconds, CPU, hash, commit/upload
+        # time and MB/s): what the benchmark and the trainer's progress report read.
+        self.last_write: WriteReport | None = None
         self.read_only = read_only
         try:
             self.generation = None if generation is None or read_only else Generation(
@@ -219,9 +221,8 @@ class CheckpointManager:
             log.error("checkpoint_failed_during_exit", error=str(exc))
 
     def _write(self, step: int, tree: Any, world_size: int, meta: dict[str, Any]) -> None:
-        started = time.monotonic()
         try:
-            manifest = write_checkpoint(
+            report = write_checkpoint(
                 self.storage, step, tree, world_size=world_size, metadata=meta,
                 generation=lambda: self.generation,
             )
@@ -229,11 +230,9 @@ class CheckpointManager:
             log.error("checkpoint_refused_stale_generation", step=step,
                       generation=str(exc.generation), fence=str(exc.fence))
             raise
-        log.info(
-            "checkpoint_committed", step=step, path=self.storage.describe(layout.step_dir(step)),
-            bytes=sum(e.bytes for e in manifest.files.values()),
-            seconds=round(time.monotonic() - started, 3),
-        )
+        self.last_write = report
+        log.info("checkpoint_committed", step=step,
+                 path=self.storage.describe(layout.step_dir(step)), **report.as_log())
 
     def _write_and_retain(self, step: int, tree: Any, world_size: int, meta: dict) -> None:
         self._write(step, tree, world_size, meta)

@@ -2,14 +2,16 @@
 
 A JSON object, written last and atomically into the step directory:
 
-    {"format": "elasticd-checkpoint", "format_version": 1, "step": 123,
+    {"format": "elasticd-checkpoint", "format_version": 2, "step": 123,
      "wall_time": 1700000000.5, "world_size": 4,
-     "files": {"state-...pt": {"bytes": 1234, "sha256": "..."}},
+     "files": {"state-...pt": {"bytes": 1234, "xxh3_128": "..."}},
      "metadata": {...user JSON...},
      "generation": 7, "generation_epoch": "...",     only when the writer had a generation
      "manifest_sha256": "<sha256 of the canonical JSON of every other field>"}
 
 The self-checksum catches a damaged manifest that still parses (a flipped digit in the step).
+Each file's digest is stored under its algorithm's name (``digest.py``): version 2 writes
+xxh3_128; version 1 (earlier elasticd) wrote sha256, and both are read and verified.
 """
 
 from __future__ import annotations
@@ -17,18 +19,18 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import layout
+from . import digest, layout
 from .errors import CheckpointConfigError, CorruptCheckpointError
 
 FORMAT = "elasticd-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# 1: every file's digest is a sha256 (written before the digest was named per file).
+READABLE_VERSIONS = (1, 2)
 _CHECKSUM_KEY = "manifest_sha256"
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")  # hexdigest() is lower-case
 # A manifest is a few hundred bytes plus user metadata; a bigger file is not one (and is
 # never read whole into memory).
 MAX_MANIFEST_BYTES = 16 << 20
@@ -36,10 +38,11 @@ MAX_MANIFEST_BYTES = 16 << 20
 
 @dataclass(frozen=True)
 class FileEntry:
-    """Size and sha256 (hex) of one file of a checkpoint."""
+    """Size and hex digest of one file of a checkpoint, and the digest's algorithm."""
 
     bytes: int
-    sha256: str
+    digest: str
+    algorithm: str = digest.WRITE_ALGORITHM
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,8 @@ class Manifest:
             "step": self.step,
             "wall_time": self.wall_time,
             "world_size": self.world_size,
-            "files": {n: {"bytes": e.bytes, "sha256": e.sha256} for n, e in self.files.items()},
+            "files": {n: {"bytes": e.bytes, e.algorithm: e.digest}
+                      for n, e in self.files.items()},
             "metadata": dict(self.metadata),
         }
         # Optional keys, written only when set: manifests without them stay byte-identical
@@ -92,9 +96,10 @@ class Manifest:
             step=_field(body, "step", int, where),
             wall_time=float(_field(body, "wall_time", (int, float), where)),
             world_size=_field(body, "world_size", int, where),
-            files=_parse_files(_field(body, "files", dict, where), where),
+            files=_parse_files(_field(body, "files", dict, where), body["format_version"],
+                               where),
             metadata=_field(body, "metadata", dict, where),
-            format_version=FORMAT_VERSION,
+            format_version=body["format_version"],
             generation=_optional(body, "generation", int, where),
             generation_epoch=_optional(body, "generation_epoch", str, where),
         )
@@ -141,11 +146,12 @@ def _check_envelope(body: dict[str, Any], where: str) -> None:
     if body.get("format") != FORMAT:
         raise CorruptCheckpointError(where, f"not an {FORMAT} manifest")
     version = body.get("format_version")
-    if isinstance(version, bool) or version != FORMAT_VERSION:  # True == 1 in Python
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:  # True == 1 in Python
         raise CorruptCheckpointError(
             where,
-            f"format_version {body.get('format_version')!r} is not supported "
-            f"(this reader knows {FORMAT_VERSION})",
+            f"format_version {body.get('format_version')!r} is not supported (this reader "
+            f"knows {', '.join(map(str, READABLE_VERSIONS))}): a newer elasticd wrote it; "
+            "upgrade this node's elasticd",
         )
     try:
         digest = _body_digest(body)
@@ -173,7 +179,7 @@ def _optional(body: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
     return value
 
 
-def _parse_files(raw: dict[str, Any], where: str) -> dict[str, FileEntry]:
+def _parse_files(raw: dict[str, Any], version: int, where: str) -> dict[str, FileEntry]:
     if not raw:
         raise CorruptCheckpointError(where, "manifest lists no files")
     files = {}
@@ -185,8 +191,19 @@ def _parse_files(raw: dict[str, Any], where: str) -> dict[str, FileEntry]:
         if not isinstance(entry, dict):
             raise CorruptCheckpointError(where, f"manifest entry for {name!r} is malformed")
         size = _field(entry, "bytes", int, where)
-        digest = entry.get("sha256")
-        if not (isinstance(digest, str) and _SHA256_RE.fullmatch(digest)):
-            raise CorruptCheckpointError(where, f"manifest sha256 for {name!r} is malformed")
-        files[name] = FileEntry(size, digest)
+        files[name] = FileEntry(size, *_file_digest(entry, name, version, where))
     return files
+
+
+def _file_digest(entry: dict[str, Any], name: str, version: int, where: str) -> tuple[str, str]:
+    """(hex digest, algorithm) of one file entry: exactly one known algorithm's key."""
+    known = ("sha256",) if version == 1 else digest.ALGORITHMS
+    named = [a for a in known if a in entry]
+    if len(named) != 1:
+        raise CorruptCheckpointError(
+            where, f"manifest entry for {name!r} names {len(named)} digests of "
+            f"{', '.join(known)}; exactly one is written")
+    (algorithm,) = named
+    if not digest.is_well_formed(algorithm, entry[algorithm]):
+        raise CorruptCheckpointError(where, f"manifest {algorithm} for {name!r} is malformed")
+    return entry[algorithm], algorithm

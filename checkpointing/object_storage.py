@@ -31,9 +31,12 @@ from elasticd.contract.locations import is_url
 
 from . import _hooks
 from .errors import StorageError, StorageNotFoundError, StoragePermissionError
-from .storage import LocalStorage, Storage
+from .storage import Expect, LocalStorage, Storage, conflict
 
 _PROBE_PREFIX = ".elasticd-probe-"
+# What S3 answers a put whose condition failed: 412, or 409 when a concurrent write of the
+# same key was under way (then the other write decides).
+_CONDITION_FAILED = {"PreconditionFailed", "ConditionalRequestConflict", "412", "409"}
 
 
 def open_storage(location: str | os.PathLike[str],
@@ -62,12 +65,29 @@ def _translated(action: str, where: str) -> Iterator[None]:
         raise StorageError(f"{action} {where}: {type(exc).__name__}: {exc}", path=where) from exc
 
 
+def _condition_failed(exc: BaseException) -> bool:
+    """True if ``exc`` (or what it wraps: s3fs turns botocore's ClientError into OSError)
+    is the store refusing a conditional put."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, FileExistsError):   # s3fs's word for a failed If-None-Match
+            return True
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", ""))
+            status = str(response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+            return code in _CONDITION_FAILED or status in _CONDITION_FAILED
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 class _ObjectAtomicWrite:
     """Spool to a local temporary file, upload whole at commit (see the module doc)."""
 
-    def __init__(self, storage: ObjectStorage, path: str) -> None:
+    def __init__(self, storage: ObjectStorage, path: str, expect: Expect | None = None) -> None:
         self._storage = storage
         self._path = path
+        self._expect = expect
         self._spool: Any = tempfile.NamedTemporaryFile(prefix="elasticd-upload-")  # noqa: SIM115
         self._done = False
         _hooks.phase("write.opened", path)
@@ -84,10 +104,26 @@ class _ObjectAtomicWrite:
             with _translated("uploading", where):
                 self._spool.flush()
                 _hooks.phase("write.uploading", self._path)   # spooled whole, nothing put yet
-                self._storage.fs.put_file(self._spool.name, self._storage.key(self._path))
+                self._upload()
                 _hooks.phase("write.uploaded", self._path)
         finally:
             self._close()
+
+    def _upload(self) -> None:
+        key = self._storage.key(self._path)
+        if self._expect is None:
+            self._storage.fs.put_file(self._spool.name, key)
+            return
+        # A conditional write is a small object (a manifest): one put, the condition
+        # checked by the store in that request.
+        self._spool.seek(0)
+        data = self._spool.read()
+        try:
+            self._storage.put_if(key, data, self._expect)
+        except Exception as exc:
+            if _condition_failed(exc):
+                raise conflict(self._storage.describe(self._path), self._expect) from exc
+            raise
 
     def abort(self) -> None:
         self._close()
@@ -162,8 +198,35 @@ class ObjectStorage:
     def make_dir(self, path: str) -> None:
         """A prefix exists while an object under it does: nothing to make."""
 
-    def open_write(self, path: str) -> _ObjectAtomicWrite:
-        return _ObjectAtomicWrite(self, path)
+    def open_write(self, path: str, expect: Expect | None = None) -> _ObjectAtomicWrite:
+        return _ObjectAtomicWrite(self, path, expect)
+
+    def version(self, path: str) -> str | None:
+        """The object's ETag (None: no object), what a conditional put names."""
+        with _translated("looking up", self.describe(path)):
+            self._fresh()
+            try:
+                info = self.fs.info(self.key(path))
+            except FileNotFoundError:
+                return None
+        tag = info.get("ETag") or info.get("etag")
+        return str(tag) if tag else f"{info.get('size')}-{info.get('LastModified')}"
+
+    def put_if(self, key: str, data: bytes, expect: Expect) -> None:
+        """Put ``data`` at ``key`` only if it holds what ``expect`` says, decided by the
+        store: S3's If-None-Match: * (create only) or If-Match: <ETag> (replace only that
+        one). A backend without conditions (not s3) checks the version first, then puts:
+        the race is narrowed to the instant between, not closed."""
+        protocol = self.fs.protocol
+        if "s3" in ((protocol,) if isinstance(protocol, str) else tuple(protocol)):
+            condition = ({"IfNoneMatch": "*"} if expect.version is None
+                         else {"IfMatch": expect.version})
+            self.fs.pipe_file(key, data, **condition)
+            return
+        relative = key[len(self._root):].lstrip("/")
+        if self.version(relative) != expect.version:
+            raise conflict(self.describe(relative), expect)
+        self.fs.pipe_file(key, data)
 
     def _info(self, path: str, action: str) -> dict[str, Any]:
         with _translated(action, self.describe(path)):

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from . import layout
+from . import digest, layout
 from .errors import CorruptCheckpointError, StorageError, StorageNotFoundError
 from .manifest import MAX_MANIFEST_BYTES, Manifest
 from .storage import Storage
@@ -77,22 +76,23 @@ def _check_size(storage: Storage, path: str, expected: int) -> None:
 
 
 def verify_files(storage: Storage, directory: str, manifest: Manifest) -> None:
-    """Recompute every file's sha256; CorruptCheckpointError names the first mismatch."""
+    """Recompute every file's digest; CorruptCheckpointError names the first mismatch."""
     for name, entry in manifest.files.items():
         path = f"{directory}/{name}"
         where = storage.describe(path)
-        sha, size = hashlib.sha256(), 0
+        hasher, size = digest.new(entry.algorithm), 0
         try:
             with storage.open_read(path) as f:
                 while chunk := f.read(_CHUNK):
-                    sha.update(chunk)
+                    hasher.update(chunk)
                     size += len(chunk)
         except StorageError as exc:
             raise CorruptCheckpointError(where, f"unreadable: {exc}") from exc
         if size != entry.bytes:
             raise CorruptCheckpointError(where, f"size changed to {size} bytes while verifying")
-        if sha.hexdigest() != entry.sha256:
-            raise CorruptCheckpointError(where, "sha256 mismatch: the file content is damaged")
+        if hasher.hexdigest() != entry.digest:
+            raise CorruptCheckpointError(
+                where, f"{entry.algorithm} mismatch: the file content is damaged")
 
 
 def load_state(storage: Storage, directory: str, manifest: Manifest, map_location: Any) -> Any:
@@ -116,7 +116,7 @@ def load_state(storage: Storage, directory: str, manifest: Manifest, map_locatio
             return torch.load(f, map_location=map_location, weights_only=True)
     except Exception as exc:
         # The bytes verified against the manifest, so this is a forged or foreign file (its
-        # sha256 was recomputed): whatever torch raises for it (UnpicklingError, RuntimeError,
+        # digest was recomputed): whatever torch raises for it (UnpicklingError, RuntimeError,
         # KeyError, zipfile errors, ...) makes the checkpoint damaged, not the caller crash.
         raise CorruptCheckpointError(
             where, f"torch.load failed: {type(exc).__name__}: {exc}") from exc

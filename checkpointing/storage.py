@@ -12,6 +12,7 @@ import errno as errno_mod
 import os
 import stat
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol, runtime_checkable
 
@@ -19,6 +20,7 @@ import structlog
 
 from . import _hooks, layout
 from .errors import (
+    StorageConflictError,
     StorageError,
     StorageFullError,
     StorageNotFoundError,
@@ -66,6 +68,22 @@ def _translated(action: str, path: str) -> Iterator[None]:
         raise translate_os_error(exc, action, path) from exc
 
 
+@dataclass(frozen=True)
+class Expect:
+    """What a conditional write's target must hold when it commits: ``version`` None for
+    nothing (create only), else the token ``Storage.version`` returned for it earlier."""
+
+    version: str | None
+
+
+def conflict(where: str, expect: Expect) -> StorageConflictError:
+    """The error of a conditional commit whose target changed (one wording for both stores)."""
+    found = "an object appeared" if expect.version is None else "the object was replaced"
+    return StorageConflictError(
+        f"committing {where}: {found} since this write began (another writer committed "
+        "there); this write is not taken and the other one is left as it is", path=where)
+
+
 class AtomicWrite(Protocol):
     """A file being written under a temporary name; invisible under its final name until commit."""
 
@@ -92,6 +110,12 @@ class Storage(Protocol):
       durably (file data and the name both survive a power cut). Temporary objects it
       creates are named with `layout.TEMP_PREFIX` in the same directory, so cleanup can find
       them. Leaving the writer without commit (an exception) discards it.
+    - `open_write(path, expect)`: commit raises StorageConflictError, publishing nothing,
+      unless `path` still holds what `expect` says (nothing, or the `version(path)` token
+      taken earlier). A bucket decides this in the put itself (S3's If-None-Match/If-Match);
+      a directory creates with link(2), which fails if the name exists, and replaces after
+      comparing the token (rename(2) cannot compare: a replace that races is narrowed to
+      the instant between the check and the rename, not closed).
     - `remove` and `remove_dir` are idempotent: a missing object is not an error.
       `remove_dir` removes an empty directory only.
     - `make_dir` is idempotent and durable (the new name survives a crash).
@@ -122,7 +146,11 @@ class Storage(Protocol):
 
     def make_dir(self, path: str) -> None: ...
 
-    def open_write(self, path: str) -> AtomicWrite: ...
+    def open_write(self, path: str, expect: Expect | None = None) -> AtomicWrite: ...
+
+    def version(self, path: str) -> str | None:
+        """An opaque token of the object now at `path` (None: there is none)."""
+        ...
 
     def open_read(self, path: str) -> BinaryIO: ...
 
@@ -151,6 +179,19 @@ def _fsync_dir(path: Path) -> None:
 
 
 _WRITE_BEHIND_BYTES = 64 << 20
+# link(2) unsupported here (EPERM: some FUSE mounts; EXDEV cannot happen in one directory).
+_NO_LINKS = {errno_mod.EPERM, errno_mod.ENOTSUP, errno_mod.EOPNOTSUPP, errno_mod.ENOSYS,
+             errno_mod.EMLINK}
+
+
+def _version(path: Path) -> str | None:
+    """Inode, modification time and size of the entry at `path` (None: none): a rename
+    into place always changes the inode."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
 
 
 def _drop_cached_pages(fd: int) -> None:
@@ -170,9 +211,10 @@ def _drop_cached_pages(fd: int) -> None:
 class _LocalAtomicWrite:
     """Temp file in the target's directory -> write -> fsync -> rename -> fsync directory."""
 
-    def __init__(self, final: Path, label: str) -> None:
+    def __init__(self, final: Path, label: str, expect: Expect | None = None) -> None:
         self._final = final
         self._label = label
+        self._expect = expect
         self._temp = final.parent / layout.temp_name()
         with _translated("create", self._label):
             self._file = open(self._temp, "xb", buffering=0)  # noqa: SIM115 - closed in commit/abort
@@ -202,13 +244,37 @@ class _LocalAtomicWrite:
                 _drop_cached_pages(self._file.fileno())
                 self._file.close()
                 _hooks.phase("write.fsynced", self._label)
-                os.replace(self._temp, self._final)
+                self._publish()
                 self._done = True
                 _hooks.phase("write.renamed", self._label)
                 _fsync_dir(self._final.parent)
         finally:
             if not self._done:
                 self.abort()
+
+    def _publish(self) -> None:
+        """Rename into place, or for a conditional write, publish only as ``expect`` says."""
+        expect = self._expect
+        if expect is not None and expect.version is None and self._link_exclusively():
+            return
+        if expect is not None and _version(self._final) != expect.version:
+            raise conflict(self._label, expect)
+        os.replace(self._temp, self._final)
+
+    def _link_exclusively(self) -> bool:
+        """Create the final name as a hard link of the temp file: link(2) fails if the name
+        exists, so this is a create-only commit. False where the filesystem has no links
+        (some FUSE mounts): the caller then checks and renames."""
+        try:
+            os.link(self._temp, self._final)
+        except FileExistsError:
+            raise conflict(self._label, self._expect or Expect(None)) from None
+        except OSError as exc:
+            if exc.errno in _NO_LINKS:
+                return False
+            raise
+        self._temp.unlink()
+        return True
 
     def abort(self) -> None:
         if self._done:
@@ -272,8 +338,12 @@ class LocalStorage:
             target.mkdir(exist_ok=True)
             _fsync_dir(target.parent)
 
-    def open_write(self, path: str) -> _LocalAtomicWrite:
-        return _LocalAtomicWrite(self._p(path), self.describe(path))
+    def open_write(self, path: str, expect: Expect | None = None) -> _LocalAtomicWrite:
+        return _LocalAtomicWrite(self._p(path), self.describe(path), expect)
+
+    def version(self, path: str) -> str | None:
+        with _translated("stat", self.describe(path)):
+            return _version(self._p(path))
 
     def open_read(self, path: str) -> BinaryIO:
         # Only regular files are read. A FIFO would block open() and read() forever, a

@@ -72,8 +72,11 @@ _IDENTITIES = {"identities": [
 class ObjectStore:
     """One SeaweedFS server with an S3 gateway; see the module doc."""
 
-    def __init__(self, data_dir: str | None = None) -> None:
+    def __init__(self, data_dir: str | None = None, volumes: int = 64) -> None:
+        """``volumes``: the most 256 MB volumes it holds (a deleted object's space comes
+        back only at SeaweedFS's periodic vacuum: a benchmark writing GBs needs more)."""
         self._own_dir = data_dir is None
+        self._volumes = volumes
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="elasticd-s3-"))
         self.proc: subprocess.Popen | None = None
         self.s3_port = 0
@@ -105,7 +108,7 @@ class ObjectStore:
                    "-s3.autoCreateBucket=false",
                    # Each bucket (a collection) takes 7 volumes at once: room for a few
                    # buckets of small volumes, not one 30 GB volume each.
-                   "-volume.max=64", "-master.volumeSizeLimitMB=256",
+                   f"-volume.max={self._volumes}", "-master.volumeSizeLimitMB=256",
                    # Off: their fixed default ports would collide between servers.
                    "-s3.port.lance=0", "-s3.port.iceberg=0"]
         log = open(self.data_dir / "weed.log", "ab")  # noqa: SIM115 - the server's, for its life

@@ -259,7 +259,7 @@ def test_intact_checkpoints_exempt_only_what_the_run_damaged_itself(tmp_path):
     assert inv.check_checkpoints(_result(tmp_path, records, corrupted=own.corrupted)).passed
     # The same damage, not made by the run: a checkpoint the system itself broke.
     check = inv.check_checkpoints(_result(tmp_path, records))
-    assert not check.passed and "sha256 mismatch" in check.detail
+    assert not check.passed and "xxh3_128 mismatch" in check.detail
 
 
 def test_a_leftover_process_and_a_failed_exit_fail_their_checks(tmp_path):

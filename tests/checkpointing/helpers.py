@@ -60,8 +60,8 @@ class FaultyStorage(LocalStorage):
         self.space_left: int | None = None  # bytes writable before ENOSPC; None = unlimited
         self.fail_removals = False
 
-    def open_write(self, path: str):
-        inner = super().open_write(path)
+    def open_write(self, path: str, expect=None):
+        inner = super().open_write(path, expect)
         outer = self
 
         class Budgeted:

@@ -3,11 +3,10 @@ and the next older valid one is loaded. Loading never raises for damage."""
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 import structlog
 import torch
+import xxhash
 
 from checkpointing import (
     CheckpointManager,
@@ -60,9 +59,9 @@ def test_flipped_byte(two_steps):
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x01
     data.write_bytes(bytes(raw))
-    _load_expecting_fallback(manager, "sha256 mismatch", data.name)
+    _load_expecting_fallback(manager, "xxh3_128 mismatch", data.name)
     assert manager.latest_step() == 2  # documented: latest_step does not hash
-    with pytest.raises(CorruptCheckpointError, match="sha256 mismatch"):
+    with pytest.raises(CorruptCheckpointError, match="xxh3_128 mismatch"):
         manager.load(2)
 
 
@@ -86,7 +85,7 @@ def test_manifest_points_at_missing_file(two_steps):
         (lambda raw: raw[: len(raw) // 2], "not valid JSON"),
         (lambda raw: b"", "not valid JSON"),
         (lambda raw: raw.replace(b'"step": 2', b'"step": 7'), "checksum mismatch"),
-        (lambda raw: raw.replace(b'"format_version": 1', b'"format_version": 99'), "format_version"),
+        (lambda raw: raw.replace(b'"format_version": 2', b'"format_version": 99'), "format_version"),
         (lambda raw: b"[1, 2]", "not a JSON object"),
     ],
     ids=["half", "empty", "step-digit", "version", "not-object"],
@@ -119,7 +118,7 @@ def test_pickled_object_is_refused_even_with_matching_checksums(two_steps):
     torch.save({"model": NotAllowed()}, data)
     raw = data.read_bytes()
     forged = Manifest(step=2, wall_time=0.0, world_size=1,
-                      files={data.name: FileEntry(len(raw), hashlib.sha256(raw).hexdigest())})
+                      files={data.name: FileEntry(len(raw), xxhash.xxh3_128(raw).hexdigest())})
     (directory / MANIFEST_NAME).write_bytes(forged.to_json())
     _load_expecting_fallback(manager, "torch.load failed", data.name)
 

@@ -15,17 +15,20 @@ import numpy as np
 import pytest
 import structlog
 import torch
+import xxhash
 
 from checkpointing import (
     CheckpointConfigError,
     CheckpointError,
     CheckpointManager,
+    CorruptCheckpointError,
     StorageFullError,
     StoragePermissionError,
     UnsupportedStateError,
     _hooks,
 )
 from checkpointing.layout import MANIFEST_NAME, step_dir
+from checkpointing.manifest import _body_digest
 
 from .helpers import FaultyStorage, assert_same, make_state
 
@@ -80,14 +83,53 @@ def test_manifest_records_what_was_written(tmp_path, monkeypatch):
     before = time.time()
     manager.save(7, make_state(7), metadata={"epoch": 2, "note": "x"})
     manifest = json.loads((tmp_path / step_dir(7) / MANIFEST_NAME).read_text())
-    assert manifest["format_version"] == 1 and manifest["step"] == 7
+    assert manifest["format_version"] == 2 and manifest["step"] == 7
     assert manifest["world_size"] == 4 and manifest["metadata"] == {"epoch": 2, "note": "x"}
     assert before <= manifest["wall_time"] <= time.time()
     ((name, entry),) = manifest["files"].items()
     raw = (tmp_path / step_dir(7) / name).read_bytes()
-    assert entry == {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    assert entry == {"bytes": len(raw), "xxh3_128": xxhash.xxh3_128(raw).hexdigest()}
     assert manager.load_latest().manifest.metadata == {"epoch": 2, "note": "x"}
     assert CheckpointManager(tmp_path, world_size=8).load(7).manifest.world_size == 4
+
+
+def test_a_checkpoint_of_format_1_with_sha256_digests_still_loads_and_is_verified(tmp_path):
+    """Checkpoints written before xxh3_128 (format_version 1, a sha256 per file) load, and
+    damage to one is still caught by its sha256."""
+    manager = CheckpointManager(tmp_path)
+    manager.save(3, make_state(3))
+    path = tmp_path / step_dir(3) / MANIFEST_NAME
+    body = json.loads(path.read_text())
+    ((name, entry),) = body["files"].items()
+    data = tmp_path / step_dir(3) / name
+    body["format_version"] = 1
+    body["files"] = {name: {"bytes": entry["bytes"],
+                            "sha256": hashlib.sha256(data.read_bytes()).hexdigest()}}
+    body["manifest_sha256"] = _body_digest(body)
+    path.write_text(json.dumps(body))
+    loaded = CheckpointManager(tmp_path).load(3)
+    assert loaded.manifest.format_version == 1
+    assert loaded.manifest.files[name].algorithm == "sha256"
+    assert_same(loaded.state, make_state(3))
+    with open(data, "r+b") as f:
+        f.seek(entry["bytes"] // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(CorruptCheckpointError, match="sha256 mismatch"):
+        CheckpointManager(tmp_path).load(3)
+
+
+def test_a_write_reports_where_its_time_went(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, make_state(1), blocking=False)
+    manager.wait()
+    report = manager.last_write
+    assert report is not None and report.manifest.step == 1
+    assert report.bytes == sum(e.bytes for e in report.manifest.files.values())
+    assert 0 < report.hash_s + report.write_s <= report.serialize_s <= report.seconds
+    assert 0 < report.commit_s <= report.seconds and report.cpu_s > 0
+    assert set(report.as_log()) >= {"bytes", "cpu_s", "hash_s", "commit_mb_per_s"}
 
 
 def test_async_save_is_isolated_from_later_mutation(tmp_path):

@@ -15,12 +15,15 @@ from checkpointing import (
     ObjectStorage,
     StaleGenerationError,
     Storage,
+    StorageConflictError,
     StorageError,
     StorageNotFoundError,
     StoragePermissionError,
+    _hooks,
     open_storage,
 )
 from checkpointing.layout import MANIFEST_NAME, step_dir
+from checkpointing.storage import Expect
 
 from .helpers import assert_same, make_state
 
@@ -99,6 +102,67 @@ def test_only_files_are_read(storage):
         storage.open_read("d")
     with pytest.raises(StorageNotFoundError):
         storage.open_read("d/missing")
+
+
+def _put(storage: Storage, path: str, data: bytes, expect: Expect | None = None) -> None:
+    with storage.open_write(path, expect) as out:
+        out.write(data)
+        out.commit()
+
+
+def _read(storage: Storage, path: str) -> bytes:
+    with storage.open_read(path) as f:
+        return f.read()
+
+
+def test_a_conditional_create_never_replaces_what_another_writer_put(storage):
+    storage.make_dir("d")
+    assert storage.version("d/m") is None
+    _put(storage, "d/m", b"first", Expect(None))
+    assert storage.version("d/m") is not None
+    with pytest.raises(StorageConflictError, match="another writer committed"):
+        _put(storage, "d/m", b"second", Expect(None))
+    assert _read(storage, "d/m") == b"first"
+    assert [n for n in storage.listdir("d") if n != "m"] == []   # no temp object left
+
+
+def test_a_conditional_replace_takes_only_the_version_it_was_given(storage):
+    storage.make_dir("d")
+    _put(storage, "d/m", b"one")
+    seen = storage.version("d/m")
+    _put(storage, "d/m", b"two", Expect(seen))
+    assert _read(storage, "d/m") == b"two" and storage.version("d/m") != seen
+    with pytest.raises(StorageConflictError, match="was replaced"):
+        _put(storage, "d/m", b"three", Expect(seen))   # "two" came in between
+    assert _read(storage, "d/m") == b"two"
+
+
+def test_a_writer_that_loses_the_race_for_a_step_leaves_the_winners_checkpoint(storage):
+    """Two writers save the same step (a stale world's writer that slipped past the fence
+    check, and the current one): the one that commits second is refused, and the first's
+    checkpoint stays committed and whole (before: its manifest was overwritten, then taken
+    back by the loser's after-commit check, and the step had no checkpoint at all)."""
+    late = CheckpointManager("late", storage=storage)
+    first = CheckpointManager("first", storage=storage)
+
+    def hook(phase: str, path: str) -> None:
+        if phase == "checkpoint.data_committed" and _hooks.phase_hook is hook:
+            _hooks.phase_hook = None       # the winner's own save runs without the hook
+            first.save(7, make_state(70))
+            # Its retention runs in the background and takes temps of this process for a
+            # dead writer's: two real writers are two processes. Let it finish first.
+            first.wait()
+    _hooks.phase_hook = hook
+    try:
+        with pytest.raises(StorageConflictError):
+            late.save(7, make_state(7))
+    finally:
+        _hooks.phase_hook = None
+    loaded = CheckpointManager("reader", storage=storage, read_only=True).load(7)
+    assert_same(loaded.state, make_state(70))
+    assert len([n for n in storage.listdir(step_dir(7)) if n != MANIFEST_NAME]) == 1
+    late.close()
+    first.close()
 
 
 def test_a_missing_bucket_names_itself(object_store):

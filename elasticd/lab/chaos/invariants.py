@@ -13,7 +13,7 @@ so each can also be fed a tampered history to show it fails (tests/chaos/test_bi
                         first step that is not names the fault before it);
 * ``samples-exactly-once``  the sampler state the run saved (epoch, cursor) is the
                         replay's: with the oracle's match, every sample once per epoch;
-* ``checkpoints-intact`` every committed checkpoint left verifies (sha256), but those the
+* ``checkpoints-intact`` every committed checkpoint left verifies (its digests), but those the
                         run damaged on purpose, and the newest is the final step;
 * ``no-corrupt-load``   no resume loaded a checkpoint while it was damaged;
 * ``recovery-bounded``  per fault: recovery time and steps lost (0 for a drain, a
