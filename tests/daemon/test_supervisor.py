@@ -243,7 +243,7 @@ def test_a_worker_group_torch_restarted_without_counting_it_is_a_membership_rest
     verdict: it grows for a failure only."""
     counted = RUNNING.but(workers_restart_count=0)
     out = d(live(workers=frozenset({21}), workers_restart_count=0), counted)
-    assert out.memory.life.failures == () and out.reason.endswith("after a membership")
+    assert out.memory.life.failures == () and out.reason.endswith("after a membership change")
     assert out.memory.life.workers_restart_count == 0
     crash = d(live(workers=frozenset({21}), workers_restart_count=1), counted)
     assert crash.memory.life.failures == (T,) and crash.reason.endswith("after a crash")
