@@ -39,6 +39,7 @@ Writes benchmarks/results/checkpoint_stall.json and .md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -56,6 +57,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from checkpointing import CheckpointManager  # noqa: E402
 from checkpointing.object_storage import ObjectStorage  # noqa: E402
+from elasticd import proctree  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {10: (1024, 10), 100: (2048, 24)}  # millions of params -> (width, layers)
@@ -166,14 +168,11 @@ class Bucket:
     def cpu_seconds(self) -> float:
         """User + system CPU of the server's process tree so far."""
         assert self.server.proc is not None
-        root = psutil.Process(self.server.proc.pid)
         total = 0.0
-        for proc in [root, *root.children(recursive=True)]:
-            try:
+        for proc in [psutil.Process(self.server.proc.pid), *proctree.descendants(self.server.proc.pid)]:
+            with contextlib.suppress(psutil.Error):
                 times = proc.cpu_times()
-            except psutil.NoSuchProcess:
-                continue
-            total += times.user + times.system
+                total += times.user + times.system
         return total
 
     def close(self) -> None:

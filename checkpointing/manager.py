@@ -126,7 +126,8 @@ class CheckpointManager:
         self._job: _Job | None = None
         self._lock = threading.Lock()
         # The newest committed write's figures (bytes, seconds, CPU, hash, commit/upload
-        # time and MB/s): what the benchmark and the trainer's progress report read.
+        # time and MB/s), also in its checkpoint_committed log line; the stall benchmark
+        # reads them here.
         self.last_write: WriteReport | None = None
         self.read_only = read_only
         try:
